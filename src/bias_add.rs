@@ -1,0 +1,453 @@
+//! Bias-add with TensorFlow `BiasAdd` semantics: a 1-D `bias` added along one dimension of `xs`.
+//!
+//! `dim = rank - 1` is TensorFlow's NHWC form (`x + b` for a `[.., C]` tensor), `dim = 1` its NCHW
+//! form. The op reads `xs` once and writes the result once, so its speed is bounded by memory
+//! bandwidth; the CUDA kernel (`src/cuda/bias_add.cu`) moves 16 bytes per access and keeps the
+//! bias in shared memory, the CPU path adds contiguous runs in parallel with rayon.
+
+use crate::dispatch::with_float_cpu;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
+};
+use rayon::prelude::*;
+use std::ops::Range;
+
+const OP: &str = "bias_add";
+
+/// Elements per rayon task on the CPU: large enough to amortise scheduling, small enough to
+/// balance two or a hundred cores.
+const CPU_CHUNK: usize = 1 << 16;
+
+/// Adds the 1-D `bias` to `xs` along dimension `dim`: `out[.., i, ..] = xs[.., i, ..] + bias[i]`
+/// with `i` the index along `dim`.
+///
+/// * dtypes: f32, f16, bf16 on every device, f64 on the CPU; `xs` and `bias` share the dtype.
+///   Half types are added in f32 and rounded once.
+/// * `xs` may have any rank >= 1 and any layout (a non-contiguous `xs` is copied first).
+/// * Autograd: the gradient of `xs` is the incoming gradient, the gradient of `bias` its sum over
+///   every dimension but `dim`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let xs = Tensor::arange(0f32, 6., &Device::Cpu)?.reshape((2, 3))?;
+/// let bias = Tensor::new(&[10f32, 20., 30.], &Device::Cpu)?;
+/// let ys = candle_fastops::bias_add(&xs, &bias, 1)?;
+/// assert_eq!(ys.to_vec2::<f32>()?, [[10., 21., 32.], [13., 24., 35.]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn bias_add(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> {
+    bias_add_with_hint(xs, bias, dim, CacheHint::default())
+}
+
+/// [`bias_add`] with the CUDA kernel's cache hint chosen explicitly; the bench uses it to compare
+/// them. The hint is ignored on the CPU and for dtypes other than f32.
+#[doc(hidden)]
+pub fn bias_add_with_hint(
+    xs: &Tensor,
+    bias: &Tensor,
+    dim: usize,
+    hint: CacheHint,
+) -> Result<Tensor> {
+    check_args(xs, bias, dim)?;
+    let xs = xs.contiguous()?;
+    let bias = bias.contiguous()?;
+    xs.apply_op2(&bias, BiasAdd { dim, hint })
+}
+
+/// In-place [`bias_add`]: `xs += bias` along `dim`, allocating nothing.
+///
+/// For tensors the caller owns: the update is not recorded for autograd, and every tensor that
+/// shares `xs`'s storage sees it. `xs` must be dense (contiguous, or a permutation of a
+/// contiguous tensor, at any storage offset), since a strided view with gaps or repeats cannot be
+/// updated in place element by element.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let xs = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?;
+/// let bias = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+/// candle_fastops::bias_add_(&xs, &bias, 1)?;
+/// assert_eq!(xs.to_vec2::<f32>()?, [[1., 2., 3.], [1., 2., 3.]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn bias_add_(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
+    check_args(xs, bias, dim)?;
+    if ChannelMap::dense(xs.layout(), dim).is_none() {
+        bail!(
+            "{OP}: in-place form needs a dense xs (contiguous or permuted), got shape {:?} with strides {:?}",
+            xs.dims(),
+            xs.stride()
+        );
+    }
+    let bias = bias.contiguous()?;
+    xs.inplace_op2(&bias, &BiasAddInPlace { dim })
+}
+
+/// Cache hint of the CUDA kernel's streaming loads and stores (bench-only knob).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheHint {
+    /// `ld.global.cs` / `st.global.cs` (evict-first): the default.
+    #[default]
+    Streaming,
+    /// `ld.global.cv` / `st.global.wt`, as in the TensorFlow study.
+    Volatile,
+    /// Plain loads and stores.
+    Plain,
+}
+
+fn check_args(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
+    if xs.rank() == 0 {
+        bail!("{OP}: xs must have rank >= 1, got a rank-0 tensor");
+    }
+    if dim >= xs.rank() {
+        bail!("{OP}: dim {dim} is out of range for xs of shape {:?}", xs.dims());
+    }
+    if bias.rank() != 1 {
+        bail!("{OP}: bias must be 1-D, got shape {:?}", bias.dims());
+    }
+    if bias.dim(0)? != xs.dim(dim)? {
+        bail!(
+            "{OP}: bias has {} elements but xs has {} along dim {dim} (xs shape {:?})",
+            bias.dim(0)?,
+            xs.dim(dim)?,
+            xs.dims()
+        );
+    }
+    if xs.dtype() != bias.dtype() {
+        bail!("{OP}: dtype mismatch, xs is {:?} but bias is {:?}", xs.dtype(), bias.dtype());
+    }
+    if !matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        bail!("{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)", xs.dtype());
+    }
+    if !xs.device().same_device(bias.device()) {
+        bail!(
+            "{OP}: device mismatch, xs is on {:?} but bias is on {:?}",
+            xs.device().location(),
+            bias.device().location()
+        );
+    }
+    if xs.device().is_cuda() && xs.dtype() == DType::F64 {
+        bail!("{OP}: f64 is supported on the CPU only");
+    }
+    Ok(())
+}
+
+/// Where the elements of a dense tensor sit and which channel each has: the element at storage
+/// slot `start + p` (for `p < len`) belongs to channel `(p / inner) % channels`.
+#[derive(Debug, Clone, Copy)]
+struct ChannelMap {
+    start: usize,
+    len: usize,
+    inner: usize,
+    channels: usize,
+}
+
+impl ChannelMap {
+    /// For a layout whose elements fill `len` consecutive storage slots in some dimension order
+    /// (contiguous, or a permutation of contiguous): then the index along `dim` of the element at
+    /// slot `start + p` is `(p / stride[dim]) % dims[dim]`.
+    fn dense(layout: &Layout, dim: usize) -> Option<Self> {
+        let dims = layout.dims();
+        let strides = layout.stride();
+        let len = layout.shape().elem_count();
+        if len > 0 {
+            let mut by_stride: Vec<(usize, usize)> = dims
+                .iter()
+                .zip(strides)
+                .filter(|(&d, _)| d > 1)
+                .map(|(&d, &s)| (s, d))
+                .collect();
+            by_stride.sort_unstable();
+            let mut expected = 1;
+            for (stride, size) in by_stride {
+                if stride != expected {
+                    return None;
+                }
+                expected *= size;
+            }
+        }
+        let channels = dims[dim];
+        let inner = if channels > 1 { strides[dim] } else { 1 };
+        Some(Self { start: layout.start_offset(), len, inner, channels })
+    }
+
+    /// The map of a contiguous (row-major) layout, the only one an out-of-place result can mirror.
+    fn contiguous(layout: &Layout, dim: usize) -> Result<Self> {
+        if !layout.is_contiguous() {
+            bail!("{OP}: internal error, xs reached the kernel non-contiguous");
+        }
+        Self::dense(layout, dim).ok_or_else(|| candle_core::Error::Msg(format!("{OP}: bad layout")))
+    }
+}
+
+fn bias_range(layout: &Layout) -> Result<Range<usize>> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(start..end),
+        None => bail!("{OP}: internal error, bias reached the kernel non-contiguous"),
+    }
+}
+
+/// The bias seen by a run of consecutive elements.
+enum BiasRun<'a, T> {
+    /// Every element of the run is in one channel.
+    Same(T),
+    /// The run covers consecutive channels (last-dim bias): element `i` gets `bias[i]`.
+    Consecutive(&'a [T]),
+}
+
+/// Splits the elements `first..first + len` of a buffer mapped by `map` into runs with one bias
+/// pattern each, calling `f` with each run's range relative to `first`.
+fn for_each_run<'a, T: Copy>(
+    first: usize,
+    len: usize,
+    map: &ChannelMap,
+    bias: &'a [T],
+    mut f: impl FnMut(Range<usize>, BiasRun<'a, T>),
+) {
+    let (inner, channels) = (map.inner, map.channels);
+    let mut channel = (first / inner) % channels;
+    let mut offset = first % inner;
+    let mut done = 0;
+    while done < len {
+        if inner == 1 {
+            let run = (channels - channel).min(len - done);
+            f(done..done + run, BiasRun::Consecutive(&bias[channel..channel + run]));
+            done += run;
+            channel = 0;
+        } else {
+            let run = (inner - offset).min(len - done);
+            f(done..done + run, BiasRun::Same(bias[channel]));
+            done += run;
+            offset = 0;
+            channel = if channel + 1 == channels { 0 } else { channel + 1 };
+        }
+    }
+}
+
+fn cpu_bias_add<T: WithDType>(src: &[T], bias: &[T], map: &ChannelMap) -> Vec<T> {
+    let n = src.len();
+    let mut dst = Vec::with_capacity(n);
+    // Written in parallel straight into the spare capacity: no zero-fill pass.
+    dst.spare_capacity_mut()[..n]
+        .par_chunks_mut(CPU_CHUNK)
+        .zip(src.par_chunks(CPU_CHUNK))
+        .enumerate()
+        .for_each(|(chunk, (dst, src))| {
+            for_each_run(chunk * CPU_CHUNK, dst.len(), map, bias, |range, run| {
+                let (dst, src) = (&mut dst[range.clone()], &src[range]);
+                match run {
+                    BiasRun::Same(b) => {
+                        for (d, &s) in dst.iter_mut().zip(src) {
+                            d.write(s + b);
+                        }
+                    }
+                    BiasRun::Consecutive(bias) => {
+                        for ((d, &s), &b) in dst.iter_mut().zip(src).zip(bias) {
+                            d.write(s + b);
+                        }
+                    }
+                }
+            })
+        });
+    // SAFETY: the chunks above cover `0..n` and write every element.
+    unsafe { dst.set_len(n) };
+    dst
+}
+
+fn cpu_bias_add_in_place<T: WithDType>(xs: &mut [T], bias: &[T], map: &ChannelMap) {
+    xs.par_chunks_mut(CPU_CHUNK).enumerate().for_each(|(chunk, xs)| {
+        for_each_run(chunk * CPU_CHUNK, xs.len(), map, bias, |range, run| match run {
+            BiasRun::Same(b) => xs[range].iter_mut().for_each(|x| *x += b),
+            BiasRun::Consecutive(bias) => {
+                xs[range].iter_mut().zip(bias).for_each(|(x, &b)| *x += b)
+            }
+        })
+    });
+}
+
+struct BiasAdd {
+    dim: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    hint: CacheHint,
+}
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "fastops-bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xs_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let map = ChannelMap::contiguous(xs_layout, self.dim)?;
+        let bias_range = bias_range(bias_layout)?;
+        let out = with_float_cpu!(OP, xs, |xs| {
+            let src = &xs[map.start..map.start + map.len];
+            let bias = &bias.as_slice()?[bias_range];
+            WithDType::to_cpu_storage_owned(cpu_bias_add(src, bias, &map))
+        });
+        Ok((out, xs_layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xs_layout: &Layout,
+        bias: &candle_core::CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let map = ChannelMap::contiguous(xs_layout, self.dim)?;
+        let bias_range = bias_range(bias_layout)?;
+        let dev = &xs.device;
+        let out = crate::dispatch::with_float_cuda!(OP, &xs.slice, |src| {
+            let out = crate::cuda::alloc_output(dev, map.len)?;
+            let src = src.slice(map.start..map.start + map.len);
+            let bias = bias.as_cuda_slice()?.slice(bias_range);
+            cuda::launch_bias_add(dev, self.hint, &map, &bias, cuda::SrcDst::Separate(&src, &out))?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, xs_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let other_dims: Vec<usize> = (0..xs.rank()).filter(|&d| d != self.dim).collect();
+        let grad_bias = if other_dims.is_empty() {
+            grad_res.clone()
+        } else {
+            grad_res.sum(other_dims)?
+        };
+        Ok((Some(grad_res.clone()), Some(grad_bias)))
+    }
+}
+
+struct BiasAddInPlace {
+    dim: usize,
+}
+
+impl InplaceOp2 for BiasAddInPlace {
+    fn name(&self) -> &'static str {
+        "fastops-bias-add-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &mut CpuStorage,
+        xs_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<()> {
+        let Some(map) = ChannelMap::dense(xs_layout, self.dim) else {
+            bail!("{OP}: in-place form needs a dense xs");
+        };
+        let bias_range = bias_range(bias_layout)?;
+        with_float_cpu!(OP, xs, |xs| {
+            let bias = &bias.as_slice()?[bias_range];
+            cpu_bias_add_in_place(&mut xs[map.start..map.start + map.len], bias, &map)
+        });
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &mut candle_core::CudaStorage,
+        xs_layout: &Layout,
+        bias: &candle_core::CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<()> {
+        let Some(map) = ChannelMap::dense(xs_layout, self.dim) else {
+            bail!("{OP}: in-place form needs a dense xs");
+        };
+        let bias_range = bias_range(bias_layout)?;
+        let dev = &xs.device;
+        crate::dispatch::with_float_cuda!(OP, &mut xs.slice, |dst| {
+            let mut dst = dst.slice_mut(map.start..map.start + map.len);
+            let bias = bias.as_cuda_slice()?.slice(bias_range);
+            cuda::launch_bias_add(dev, CacheHint::default(), &map, &bias, cuda::SrcDst::InPlace(&mut dst))?
+        });
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{CacheHint, ChannelMap};
+    use crate::cuda::{grid_stride_config, launch, load_kernel, Module};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, CudaViewMut, PushKernelArg,
+    };
+    use candle_core::cuda_backend::kernel_name;
+    use candle_core::{CudaDevice, Result, WithDType};
+
+    /// The kernel keeps the bias in the default 48 KiB of dynamic shared memory when it fits
+    /// (12288 f32 channels) and reads it through L1 otherwise.
+    const MAX_SHARED_BIAS_BYTES: usize = 48 * 1024;
+    const THREADS: u32 = 256;
+    /// 58 registers per thread allow 4 blocks of 256 threads per SM.
+    const BLOCKS_PER_SM: u32 = 4;
+    /// 16-byte vectors each thread loads before using the first (`UNROLL` in the kernel).
+    const UNROLL: u64 = 4;
+
+    /// Where the kernel reads and writes.
+    pub(super) enum SrcDst<'v, 's, T> {
+        Separate(&'v CudaView<'s, T>, &'v CudaSlice<T>),
+        InPlace(&'v mut CudaViewMut<'s, T>),
+    }
+
+    /// Launches `bias_add_<dtype>` over the `map.len` elements of `src_dst`.
+    pub(super) fn launch_bias_add<T: WithDType>(
+        dev: &CudaDevice,
+        hint: CacheHint,
+        map: &ChannelMap,
+        bias: &CudaView<'_, T>,
+        src_dst: SrcDst<'_, '_, T>,
+    ) -> Result<()> {
+        if map.len == 0 {
+            return Ok(());
+        }
+        let base = match (hint, T::DTYPE) {
+            (CacheHint::Volatile, candle_core::DType::F32) => "bias_add_volatile",
+            (CacheHint::Plain, candle_core::DType::F32) => "bias_add_plain",
+            _ => "bias_add",
+        };
+        let elem = std::mem::size_of::<T>();
+        let bias_bytes = map.channels * elem;
+        let bias_in_smem = bias_bytes <= MAX_SHARED_BIAS_BYTES;
+        let vectors = (map.len / (16 / elem)) as u64;
+        let cfg = grid_stride_config(
+            dev,
+            vectors.div_ceil(UNROLL),
+            THREADS,
+            BLOCKS_PER_SM,
+            if bias_in_smem { bias_bytes as u32 } else { 0 },
+        )?;
+        let (n, inner) = (map.len as u64, map.inner as u64);
+        let (channels, bias_in_smem) = (map.channels as u32, bias_in_smem as u32);
+        // SAFETY: the arguments match `bias_add_*(src, dst, bias, n, inner, channels,
+        // bias_in_smem)`; src/dst hold `n` elements, bias `channels`, and the kernel bounds every
+        // access by `n` and `channels`.
+        // A null source tells the kernel to read from the destination.
+        let in_place_src = 0u64;
+        let func = load_kernel(dev, Module::BiasAdd, &kernel_name::<T>(base))?;
+        unsafe {
+            launch(&func, cfg, |args| {
+                match src_dst {
+                    SrcDst::Separate(src, dst) => args.arg(src).arg(dst),
+                    SrcDst::InPlace(dst) => args.arg(&in_place_src).arg(dst),
+                };
+                args.arg(bias).arg(&n).arg(&inner).arg(&channels).arg(&bias_in_smem);
+            })
+        }
+    }
+}

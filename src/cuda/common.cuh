@@ -1,0 +1,61 @@
+// Shared helpers for candle-fastops kernels: dtype conversion to the f32 accumulator type,
+// 16-byte vector IO with cache hints, and instantiation macros so every kernel is exported once
+// per dtype under candle's naming scheme (`name_f32`, `name_f16`, `name_bf16`).
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fastops {
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// How a kernel streams a tensor it touches exactly once. `Streaming` (ld.cs / st.cs) marks the
+// lines evict-first so the stream does not push reused data (a bias, a weight stripe) out of L2;
+// `Volatile` (ld.cv / st.wt) is what the TF study used; `Default` is a plain ld/st.
+enum class CacheHint { Default, Streaming, Volatile };
+
+template <CacheHint H> __device__ __forceinline__ uint4 load16(const uint4* p) {
+    if constexpr (H == CacheHint::Streaming) return __ldcs(p);
+    else if constexpr (H == CacheHint::Volatile) return __ldcv(p);
+    else return *p;
+}
+
+template <CacheHint H> __device__ __forceinline__ void store16(uint4* p, uint4 v) {
+    if constexpr (H == CacheHint::Streaming) __stcs(p, v);
+    else if constexpr (H == CacheHint::Volatile) __stwt(p, v);
+    else *p = v;
+}
+
+// Number of T in one 16-byte vector.
+template <typename T> __host__ __device__ constexpr int vec_width() { return 16 / sizeof(T); }
+
+template <typename T> union Vec16 {
+    uint4 raw;
+    T lanes[16 / sizeof(T)];
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+}  // namespace fastops
+
+// Exports `kernel<T>` as extern "C" `name_f32`, `name_f16`, `name_bf16`
+// (the suffixes `candle_core::cuda_backend::kernel_name` produces).
+#define FASTOPS_FLOAT_KERNELS(MACRO) \
+    MACRO(float, f32)                \
+    MACRO(__half, f16)               \
+    MACRO(__nv_bfloat16, bf16)

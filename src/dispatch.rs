@@ -1,0 +1,41 @@
+//! Dtype dispatch, written once for every op: a macro binds the typed slice of a storage to a
+//! name and expands the body once per supported float dtype.
+
+/// `with_float_cpu!(op_name, storage, |slice| body)`: `slice` is the `&Vec<T>` (or `&mut Vec<T>`)
+/// of an f32, f16, bf16 or f64 [`candle_core::CpuStorage`]; other dtypes are an error naming the op.
+macro_rules! with_float_cpu {
+    ($op:expr, $storage:expr, |$slice:ident| $body:expr) => {{
+        use candle_core::CpuStorage as S;
+        match $storage {
+            S::F32($slice) => $body,
+            S::F16($slice) => $body,
+            S::BF16($slice) => $body,
+            S::F64($slice) => $body,
+            other => candle_core::bail!(
+                "{}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+                $op,
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
+    }};
+}
+pub(crate) use with_float_cpu;
+
+/// `with_float_cuda!(op_name, storage.slice, |slice| body)`: `slice` is the `CudaSlice<T>` of an
+/// f32, f16 or bf16 `CudaStorageSlice` (by reference or mutable reference, following the
+/// expression given); other dtypes are an error naming the op. The public wrappers check dtypes
+/// first with a message naming the dtype, so this arm is a backstop.
+#[cfg(feature = "cuda")]
+macro_rules! with_float_cuda {
+    ($op:expr, $slice_enum:expr, |$slice:ident| $body:expr) => {{
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        match $slice_enum {
+            S::F32($slice) => $body,
+            S::F16($slice) => $body,
+            S::BF16($slice) => $body,
+            _ => candle_core::bail!("{}: unsupported dtype on CUDA (expected f32, f16 or bf16)", $op),
+        }
+    }};
+}
+#[cfg(feature = "cuda")]
+pub(crate) use with_float_cuda;

@@ -1,0 +1,37 @@
+//! Fast custom ops for [candle](https://github.com/huggingface/candle): each op is a CUDA kernel
+//! (compiled to PTX at build time with the `cuda` feature) with a multi-threaded CPU fallback,
+//! exposed as a candle custom op so it composes with candle tensors and autograd.
+//!
+//! | op | what | status |
+//! | --- | --- | --- |
+//! | [`bias_add`] / [`bias_add_`] | TensorFlow `BiasAdd`: a 1-D bias along any dim | implemented |
+//! | sparse feature transformer | NNUE input layer, forward and backward | planned |
+//! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
+//! | softmax over any set of dims | driven by a reusable reduce plan | planned |
+//! | small_fc_lopt | learned optimizer as a `candle_nn::Optimizer` | planned |
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! let dev = Device::Cpu; // or Device::new_cuda(0)? with the `cuda` feature
+//! let xs = Tensor::randn(0f32, 1., (8, 16, 4, 4), &dev)?; // NCHW
+//! let bias = Tensor::randn(0f32, 1., 16, &dev)?;
+//! let ys = candle_fastops::bias_add(&xs, &bias, 1)?; // out of place, differentiable
+//! candle_fastops::bias_add_(&xs, &bias, 1)?; // in place, allocates nothing
+//! let diff = (ys - &xs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+//! assert!(diff < 1e-6);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+//!
+//! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
+
+mod bias_add;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod dispatch;
+mod poison;
+
+pub use bias_add::{bias_add, bias_add_};
+#[doc(hidden)]
+pub use bias_add::{bias_add_with_hint, CacheHint};
+#[doc(hidden)]
+pub use poison::set_poison_outputs;
