@@ -5,6 +5,7 @@
 //! bandwidth; the CUDA kernel (`src/cuda/bias_add.cu`) moves 16 bytes per access and keeps the
 //! bias in shared memory, the CPU path adds contiguous runs in parallel with rayon.
 
+use crate::cpu::{output_vec, spare};
 use crate::dispatch::with_float_cpu;
 use candle_core::{
     bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
@@ -226,9 +227,9 @@ fn for_each_run<'a, T: Copy>(
 
 fn cpu_bias_add<T: WithDType>(src: &[T], bias: &[T], map: &ChannelMap) -> Vec<T> {
     let n = src.len();
-    let mut dst = Vec::with_capacity(n);
+    let mut dst = output_vec(n);
     // Written in parallel straight into the spare capacity: no zero-fill pass.
-    dst.spare_capacity_mut()[..n]
+    spare(&mut dst, n)
         .par_chunks_mut(CPU_CHUNK)
         .zip(src.par_chunks(CPU_CHUNK))
         .enumerate()
@@ -383,7 +384,7 @@ impl InplaceOp2 for BiasAddInPlace {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{CacheHint, ChannelMap};
-    use crate::cuda::{grid_stride_config, launch, load_kernel, Module};
+    use crate::cuda::{grid_stride_config, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, CudaViewMut, PushKernelArg,
     };
@@ -439,9 +440,9 @@ mod cuda {
         // access by `n` and `channels`.
         // A null source tells the kernel to read from the destination.
         let in_place_src = 0u64;
-        let func = load_kernel(dev, Module::BiasAdd, &kernel_name::<T>(base))?;
+        let kernel = Kernel::load(dev, Module::BiasAdd, &kernel_name::<T>(base))?;
         unsafe {
-            launch(&func, cfg, |args| {
+            kernel.launch(cfg, |args| {
                 match src_dst {
                     SrcDst::Separate(src, dst) => args.arg(src).arg(dst),
                     SrcDst::InPlace(dst) => args.arg(&in_place_src).arg(dst),

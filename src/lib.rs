@@ -25,6 +25,7 @@
 //! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
 
 mod bias_add;
+mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dispatch;

@@ -26,6 +26,9 @@ const SHAPES: &[&[usize]] = &[
     &[2, 0, 3],
     &[257, 4099],
     &[3, 2, 2, 2, 3, 5],
+    // More channels than fit in the kernel's 48 KiB shared-memory bias (f32 and half types).
+    &[3, 13001],
+    &[2, 24593],
 ];
 
 #[test]

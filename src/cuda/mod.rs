@@ -2,7 +2,8 @@
 //! helper, output allocation and device queries.
 
 use candle_core::cuda_backend::cudarc::driver::{self, CudaSlice, DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::{CudaFunc, WrapErr};
+use candle_core::cuda_backend::WrapErr;
+use std::sync::Arc;
 use candle_core::{CudaDevice, Result};
 
 mod ptx {
@@ -30,26 +31,35 @@ impl Module {
     }
 }
 
-/// Loads `kernel` from `module`, compiling the module's PTX on its first use on this device.
-pub(crate) fn load_kernel(dev: &CudaDevice, module: Module, kernel: &str) -> Result<CudaFunc> {
-    dev.get_or_load_custom_func(kernel, module.name(), module.ptx())
+/// A loaded kernel and the stream it launches on.
+pub(crate) struct Kernel {
+    func: driver::CudaFunction,
+    stream: Arc<driver::CudaStream>,
 }
 
-/// The one launch path of the crate: pushes the kernel's arguments and launches it on the
-/// device's stream.
-///
-/// # Safety
-/// The arguments pushed by `push_args` must match the kernel's signature, and the launch
-/// configuration must keep every access of the kernel inside the buffers it is given.
-pub(crate) unsafe fn launch<'a>(
-    func: &'a CudaFunc,
-    cfg: LaunchConfig,
-    push_args: impl FnOnce(&mut driver::LaunchArgs<'a>),
-) -> Result<()> {
-    let mut builder = func.builder();
-    push_args(&mut builder);
-    builder.launch(cfg).w()?;
-    Ok(())
+impl Kernel {
+    /// Loads `name` from `module`, compiling the module's PTX on its first use on this device.
+    pub(crate) fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<Self> {
+        let func = dev.get_or_load_custom_func(name, module.name(), module.ptx())?;
+        Ok(Self { func: func.into_cuda_function(), stream: dev.cuda_stream() })
+    }
+
+    /// The one launch path of the crate: pushes the kernel's arguments and launches it on the
+    /// device's stream.
+    ///
+    /// # Safety
+    /// The arguments pushed by `push_args` must match the kernel's signature, and the launch
+    /// configuration must keep every access of the kernel inside the buffers it is given.
+    pub(crate) unsafe fn launch<'a>(
+        &'a self,
+        cfg: LaunchConfig,
+        push_args: impl FnOnce(&mut driver::LaunchArgs<'a>),
+    ) -> Result<()> {
+        let mut builder = self.stream.launch_builder(&self.func);
+        push_args(&mut builder);
+        builder.launch(cfg).w()?;
+        Ok(())
+    }
 }
 
 /// Allocates an output buffer the kernel is expected to overwrite completely.

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Builds the CUDA test binaries and the bench in release mode and packs them, xz-compressed, with
+# a run.sh into target/gpu-bundle/ (carry that folder to a GPU machine that has no Rust):
+#
+#     scripts/gpu-bundle.sh
+#     # on the GPU machine, from the repository root:
+#     bash target/gpu-bundle/run.sh OUTDIR [bench filters...]
+#
+# run.sh unpacks, finds the CUDA libraries on that machine, runs every GPU test (one thread, so
+# output stays readable), the examples and the bench, and writes tests.log, bench.log, ops.jsonl and
+# nvidia-smi.txt into OUTDIR. It exits non-zero when a test fails.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+eval "$(scripts/cuda-toolkit.sh)"
+
+bundle="$repo/target/gpu-bundle"
+rm -rf "$bundle"
+mkdir -p "$bundle/bin"
+
+echo "gpu-bundle: building tests and bench (release, --features cuda)" >&2
+cargo build --release --features cuda --tests --benches --examples --message-format=json-render-diagnostics \
+    > "$bundle/cargo.json"
+python3 - "$bundle" <<'PY'
+import json, os, shutil, sys
+bundle = sys.argv[1]
+seen = set()
+for line in open(os.path.join(bundle, "cargo.json")):
+    msg = json.loads(line)
+    if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
+        continue
+    kind = msg["target"]["kind"][0]
+    if kind not in ("test", "bench", "lib", "example"):
+        continue
+    prefix = {"lib": "test", "test": "test", "bench": "bench", "example": "example"}[kind]
+    name = prefix + "-" + msg["target"]["name"]
+    if name in seen:
+        continue
+    seen.add(name)
+    shutil.copy(msg["executable"], os.path.join(bundle, "bin", name))
+    print(name)
+PY
+rm "$bundle/cargo.json"
+for f in "$bundle"/bin/*; do xz -T0 -6 "$f"; done
+
+cat > "$bundle/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the bundled GPU tests and bench. Usage: run.sh OUTDIR [bench filters...]
+set -u
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${1:?usage: run.sh OUTDIR [bench filters...]}
+shift
+mkdir -p "$out"
+work=$(mktemp -d)
+for f in "$here"/bin/*.xz; do
+    name=$(basename "${f%.xz}")
+    xz -dc "$f" > "$work/$name" && chmod +x "$work/$name"
+done
+
+# candle links libcuda (driver), cublas, cublasLt, curand, nvrtc: add the folder of each.
+libdirs=/usr/local/cuda/lib64
+for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
+    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
+done
+export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CANDLE_FASTOPS_POISON=1
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+missing=$(ldd "$work"/bench-* | grep 'not found' | sort -u)
+[ -n "$missing" ] && echo "run.sh: unresolved libraries: $missing"
+
+status=0
+: > "$out/tests.log"
+for t in "$work"/test-*; do
+    echo "=== $(basename "$t")" | tee -a "$out/tests.log"
+    (cd "$here/../.." && "$t" --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
+    grep -E '^test result|SKIPPED|note:' "$out/tests.log" | tail -n 3
+done
+for e in "$work"/example-*; do
+    echo "=== $(basename "$e")"
+    (cd "$here/../.." && "$e") 2>&1 | tee -a "$out/tests.log" || { status=1; echo "FAILED: $(basename "$e")"; }
+done
+echo "=== bench"
+(cd "$here/../.." && FASTOPS_BENCH_OUT="$out/ops.jsonl" "$work"/bench-ops "$@") 2>&1 | tee "$out/bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+rm -rf "$work"
+echo "run.sh: exit $status"
+exit $status
+RUN
+chmod +x "$bundle/run.sh"
+du -sh "$bundle" >&2
+ls -la "$bundle/bin" >&2

@@ -1,0 +1,40 @@
+//! CPU helpers shared by the ops' fallbacks.
+
+use std::mem::MaybeUninit;
+
+/// A vector with capacity for `len` elements, for an output the caller writes completely before
+/// `set_len`. Large outputs are first-touched page by page, and on a 2-core VM one 4 KiB page
+/// fault per 1024 f32 costs more than the arithmetic (a 64 MiB output: ~25 ms of faults against
+/// ~3 ms of adds). On Linux the buffer is therefore advised for transparent huge pages, where
+/// the system allows them on request (`madvise` mode, the common default), so it faults in 2 MiB
+/// at a time.
+pub(crate) fn output_vec<T>(len: usize) -> Vec<T> {
+    let vec = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    advise_huge_pages(vec.as_ptr() as usize, len * std::mem::size_of::<T>());
+    vec
+}
+
+/// The spare capacity of `vec`, `len` elements long, to be written in parallel.
+pub(crate) fn spare<T>(vec: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
+    &mut vec.spare_capacity_mut()[..len]
+}
+
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(addr: usize, bytes: usize) {
+    const HUGE_PAGE: usize = 2 << 20;
+    if bytes < 4 * HUGE_PAGE {
+        return;
+    }
+    // Only whole huge pages inside the allocation are advised: the advice never reaches memory
+    // the allocator handed to anyone else.
+    let start = addr.next_multiple_of(HUGE_PAGE);
+    let end = (addr + bytes) / HUGE_PAGE * HUGE_PAGE;
+    if end > start {
+        // SAFETY: [start, end) lies inside this allocation; MADV_HUGEPAGE changes how the pages
+        // are backed, never their contents. A failure (THP disabled) leaves normal pages.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}
