@@ -397,6 +397,18 @@ mod cuda {
     const THREADS: u32 = 256;
     /// 58 registers per thread allow 4 blocks of 256 threads per SM.
     const BLOCKS_PER_SM: u32 = 4;
+    /// Resident blocks per SM; `FASTOPS_BIAS_ADD_BLOCKS_PER_SM` overrides it for tuning runs.
+    fn blocks_per_sm() -> u32 {
+        static BLOCKS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        *BLOCKS.get_or_init(|| {
+            std::env::var("FASTOPS_BIAS_ADD_BLOCKS_PER_SM")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&b| b > 0)
+                .unwrap_or(BLOCKS_PER_SM)
+        })
+    }
+
     /// 16-byte vectors each thread loads before using the first (`UNROLL` in the kernel).
     const UNROLL: u64 = 4;
 
@@ -430,7 +442,7 @@ mod cuda {
             dev,
             vectors.div_ceil(UNROLL),
             THREADS,
-            BLOCKS_PER_SM,
+            blocks_per_sm(),
             if bias_in_smem { bias_bytes as u32 } else { 0 },
         )?;
         let (n, inner) = (map.len as u64, map.inner as u64);

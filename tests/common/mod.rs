@@ -90,9 +90,10 @@ pub fn rand_tensor(shape: &[usize], scale: f64, dtype: DType, dev: &Device, salt
     Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)
 }
 
-/// Every element as f64, in row-major order of the tensor's logical layout.
+/// Every element as f64, in row-major order of the tensor's logical layout. Converted on the
+/// CPU: candle's CUDA cast cannot launch on an empty tensor.
 pub fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
-    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
+    t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
 }
 
 /// Relative tolerance of one rounding to `dtype`, with some slack.
