@@ -21,7 +21,12 @@ fn pick_device() -> Device {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+    Ok((a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?)
 }
 
 fn main() -> Result<()> {

@@ -101,7 +101,10 @@ fn check_args(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
         bail!("{OP}: xs must have rank >= 1, got a rank-0 tensor");
     }
     if dim >= xs.rank() {
-        bail!("{OP}: dim {dim} is out of range for xs of shape {:?}", xs.dims());
+        bail!(
+            "{OP}: dim {dim} is out of range for xs of shape {:?}",
+            xs.dims()
+        );
     }
     if bias.rank() != 1 {
         bail!("{OP}: bias must be 1-D, got shape {:?}", bias.dims());
@@ -115,10 +118,20 @@ fn check_args(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
         );
     }
     if xs.dtype() != bias.dtype() {
-        bail!("{OP}: dtype mismatch, xs is {:?} but bias is {:?}", xs.dtype(), bias.dtype());
+        bail!(
+            "{OP}: dtype mismatch, xs is {:?} but bias is {:?}",
+            xs.dtype(),
+            bias.dtype()
+        );
     }
-    if !matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
-        bail!("{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)", xs.dtype());
+    if !matches!(
+        xs.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        bail!(
+            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            xs.dtype()
+        );
     }
     if !xs.device().same_device(bias.device()) {
         bail!(
@@ -169,7 +182,12 @@ impl ChannelMap {
         }
         let channels = dims[dim];
         let inner = if channels > 1 { strides[dim] } else { 1 };
-        Some(Self { start: layout.start_offset(), len, inner, channels })
+        Some(Self {
+            start: layout.start_offset(),
+            len,
+            inner,
+            channels,
+        })
     }
 
     /// The map of a contiguous (row-major) layout, the only one an out-of-place result can mirror.
@@ -212,7 +230,10 @@ fn for_each_run<'a, T: Copy>(
     while done < len {
         if inner == 1 {
             let run = (channels - channel).min(len - done);
-            f(done..done + run, BiasRun::Consecutive(&bias[channel..channel + run]));
+            f(
+                done..done + run,
+                BiasRun::Consecutive(&bias[channel..channel + run]),
+            );
             done += run;
             channel = 0;
         } else {
@@ -220,7 +241,11 @@ fn for_each_run<'a, T: Copy>(
             f(done..done + run, BiasRun::Same(bias[channel]));
             done += run;
             offset = 0;
-            channel = if channel + 1 == channels { 0 } else { channel + 1 };
+            channel = if channel + 1 == channels {
+                0
+            } else {
+                channel + 1
+            };
         }
     }
 }
@@ -256,14 +281,22 @@ fn cpu_bias_add<T: WithDType>(src: &[T], bias: &[T], map: &ChannelMap) -> Vec<T>
 }
 
 fn cpu_bias_add_in_place<T: WithDType>(xs: &mut [T], bias: &[T], map: &ChannelMap) {
-    xs.par_chunks_mut(CPU_CHUNK).enumerate().for_each(|(chunk, xs)| {
-        for_each_run(chunk * CPU_CHUNK, xs.len(), map, bias, |range, run| match run {
-            BiasRun::Same(b) => xs[range].iter_mut().for_each(|x| *x += b),
-            BiasRun::Consecutive(bias) => {
-                xs[range].iter_mut().zip(bias).for_each(|(x, &b)| *x += b)
-            }
-        })
-    });
+    xs.par_chunks_mut(CPU_CHUNK)
+        .enumerate()
+        .for_each(|(chunk, xs)| {
+            for_each_run(
+                chunk * CPU_CHUNK,
+                xs.len(),
+                map,
+                bias,
+                |range, run| match run {
+                    BiasRun::Same(b) => xs[range].iter_mut().for_each(|x| *x += b),
+                    BiasRun::Consecutive(bias) => {
+                        xs[range].iter_mut().zip(bias).for_each(|(x, &b)| *x += b)
+                    }
+                },
+            )
+        });
 }
 
 struct BiasAdd {
@@ -309,7 +342,13 @@ impl CustomOp2 for BiasAdd {
             let out = crate::cuda::alloc_output(dev, map.len)?;
             let src = src.slice(map.start..map.start + map.len);
             let bias = bias.as_cuda_slice()?.slice(bias_range);
-            cuda::launch_bias_add(dev, self.hint, &map, &bias, cuda::SrcDst::Separate(&src, &out))?;
+            cuda::launch_bias_add(
+                dev,
+                self.hint,
+                &map,
+                &bias,
+                cuda::SrcDst::Separate(&src, &out),
+            )?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
         Ok((out, xs_layout.shape().clone()))
@@ -375,7 +414,13 @@ impl InplaceOp2 for BiasAddInPlace {
         crate::dispatch::with_float_cuda!(OP, &mut xs.slice, |dst| {
             let mut dst = dst.slice_mut(map.start..map.start + map.len);
             let bias = bias.as_cuda_slice()?.slice(bias_range);
-            cuda::launch_bias_add(dev, CacheHint::default(), &map, &bias, cuda::SrcDst::InPlace(&mut dst))?
+            cuda::launch_bias_add(
+                dev,
+                CacheHint::default(),
+                &map,
+                &bias,
+                cuda::SrcDst::InPlace(&mut dst),
+            )?
         });
         Ok(())
     }
@@ -395,18 +440,18 @@ mod cuda {
     /// (12288 f32 channels) and reads it through L1 otherwise.
     const MAX_SHARED_BIAS_BYTES: usize = 48 * 1024;
     const THREADS: u32 = 256;
-    /// 58 registers per thread allow 4 blocks of 256 threads per SM.
-    const BLOCKS_PER_SM: u32 = 4;
-    /// Resident blocks per SM; `FASTOPS_BIAS_ADD_BLOCKS_PER_SM` overrides it for tuning runs.
-    fn blocks_per_sm() -> u32 {
-        static BLOCKS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-        *BLOCKS.get_or_init(|| {
+    /// Blocks per SM in the grid: 58 registers per thread allow at most 4 resident blocks of 256
+    /// threads; a sweep of 1..8 on the H200 (BENCHMARKS.md) was best at 2 for 4-byte and 3 for
+    /// 2-byte types. `FASTOPS_BIAS_ADD_BLOCKS_PER_SM` overrides it for tuning runs.
+    fn blocks_per_sm(elem_bytes: usize) -> u32 {
+        static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+        let forced = *OVERRIDE.get_or_init(|| {
             std::env::var("FASTOPS_BIAS_ADD_BLOCKS_PER_SM")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&b| b > 0)
-                .unwrap_or(BLOCKS_PER_SM)
-        })
+        });
+        forced.unwrap_or(if elem_bytes >= 4 { 2 } else { 3 })
     }
 
     /// 16-byte vectors each thread loads before using the first (`UNROLL` in the kernel).
@@ -442,7 +487,7 @@ mod cuda {
             dev,
             vectors.div_ceil(UNROLL),
             THREADS,
-            blocks_per_sm(),
+            blocks_per_sm(elem),
             if bias_in_smem { bias_bytes as u32 } else { 0 },
         )?;
         let (n, inner) = (map.len as u64, map.inner as u64);
@@ -459,7 +504,11 @@ mod cuda {
                     SrcDst::Separate(src, dst) => args.arg(src).arg(dst),
                     SrcDst::InPlace(dst) => args.arg(&in_place_src).arg(dst),
                 };
-                args.arg(bias).arg(&n).arg(&inner).arg(&channels).arg(&bias_in_smem);
+                args.arg(bias)
+                    .arg(&n)
+                    .arg(&inner)
+                    .arg(&channels)
+                    .arg(&bias_in_smem);
             })
         }
     }

@@ -33,7 +33,10 @@ macro_rules! with_float_cuda {
             S::F32($slice) => $body,
             S::F16($slice) => $body,
             S::BF16($slice) => $body,
-            _ => candle_core::bail!("{}: unsupported dtype on CUDA (expected f32, f16 or bf16)", $op),
+            _ => candle_core::bail!(
+                "{}: unsupported dtype on CUDA (expected f32, f16 or bf16)",
+                $op
+            ),
         }
     }};
 }

@@ -10,7 +10,10 @@ fn reference(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Vec<f64>> {
     let b = to_f64(bias)?;
     let inner: usize = xs.dims()[dim + 1..].iter().product();
     let channels = xs.dims()[dim];
-    Ok(x.iter().enumerate().map(|(i, v)| v + b[(i / inner) % channels]).collect())
+    Ok(x.iter()
+        .enumerate()
+        .map(|(i, v)| v + b[(i / inner) % channels])
+        .collect())
 }
 
 const SHAPES: &[&[usize]] = &[
@@ -45,7 +48,12 @@ fn forward_matches_reference_every_shape_dim_dtype() {
                     assert_eq!(ys.dims(), *shape);
                     assert_eq!(ys.dtype(), dtype);
                     let what = format!("{dtype:?} {shape:?} dim {dim}");
-                    assert_close(&to_f64(&ys)?, &reference(&xs, &bias, dim)?, tolerance(dtype), &what);
+                    assert_close(
+                        &to_f64(&ys)?,
+                        &reference(&xs, &bias, dim)?,
+                        tolerance(dtype),
+                        &what,
+                    );
                 }
             }
         }
@@ -63,14 +71,22 @@ fn forward_non_contiguous_and_offset_views() {
                 ("permuted", base.permute((2, 0, 1))?),
                 ("narrowed dim0 (offset)", base.narrow(0, 1, 4)?),
                 ("narrowed last dim (strided)", base.narrow(2, 3, 5)?),
-                ("flat offset by one element", base.flatten_all()?.narrow(0, 1, 6 * 37 * 11 - 3)?),
+                (
+                    "flat offset by one element",
+                    base.flatten_all()?.narrow(0, 1, 6 * 37 * 11 - 3)?,
+                ),
             ];
             for (name, xs) in views {
                 for dim in 0..xs.rank() {
                     let bias = rand_tensor(&[xs.dim(dim)?], 3.0, dtype, dev, 100 + dim as u64)?;
                     let ys = bias_add(&xs, &bias, dim)?;
                     let what = format!("{dtype:?} {name} dim {dim}");
-                    assert_close(&to_f64(&ys)?, &reference(&xs, &bias, dim)?, tolerance(dtype), &what);
+                    assert_close(
+                        &to_f64(&ys)?,
+                        &reference(&xs, &bias, dim)?,
+                        tolerance(dtype),
+                        &what,
+                    );
                 }
             }
             // A strided (every other element) bias view.
@@ -79,7 +95,12 @@ fn forward_non_contiguous_and_offset_views() {
             let bias = wide.narrow(1, 1, 1)?.squeeze(1)?;
             assert!(!bias.is_contiguous());
             let ys = bias_add(&xs, &bias, 1)?;
-            assert_close(&to_f64(&ys)?, &reference(&xs, &bias, 1)?, tolerance(dtype), "strided bias");
+            assert_close(
+                &to_f64(&ys)?,
+                &reference(&xs, &bias, 1)?,
+                tolerance(dtype),
+                "strided bias",
+            );
         }
         Ok(())
     })
@@ -89,12 +110,22 @@ fn forward_non_contiguous_and_offset_views() {
 fn in_place_matches_out_of_place_on_dense_views() {
     for_each_device(|dev| {
         for dtype in float_dtypes(dev) {
-            for (shape, dim) in [(vec![33usize, 129], 1usize), (vec![4, 7, 5, 3], 1), (vec![1031], 0), (vec![8, 6, 5], 2)] {
+            for (shape, dim) in [
+                (vec![33usize, 129], 1usize),
+                (vec![4, 7, 5, 3], 1),
+                (vec![1031], 0),
+                (vec![8, 6, 5], 2),
+            ] {
                 let xs = rand_tensor(&shape, 2.0, dtype, dev, 21)?;
                 let bias = rand_tensor(&[shape[dim]], 2.0, dtype, dev, 22)?;
                 let expected = reference(&xs, &bias, dim)?;
                 bias_add_(&xs, &bias, dim)?;
-                assert_close(&to_f64(&xs)?, &expected, tolerance(dtype), &format!("in place {dtype:?} {shape:?}"));
+                assert_close(
+                    &to_f64(&xs)?,
+                    &expected,
+                    tolerance(dtype),
+                    &format!("in place {dtype:?} {shape:?}"),
+                );
             }
             // A row-range view (contiguous at an offset): only the view changes.
             let parent = rand_tensor(&[10, 67], 2.0, dtype, dev, 23)?;
@@ -104,16 +135,36 @@ fn in_place_matches_out_of_place_on_dense_views() {
             let expected_view = reference(&view, &bias, 1)?;
             bias_add_(&view, &bias, 1)?;
             let after = to_f64(&parent)?;
-            assert_close(&after[..3 * 67], &before[..3 * 67], 0.0, "rows before the view");
-            assert_close(&after[8 * 67..], &before[8 * 67..], 0.0, "rows after the view");
-            assert_close(&after[3 * 67..8 * 67], &expected_view, tolerance(dtype), "view rows");
+            assert_close(
+                &after[..3 * 67],
+                &before[..3 * 67],
+                0.0,
+                "rows before the view",
+            );
+            assert_close(
+                &after[8 * 67..],
+                &before[8 * 67..],
+                0.0,
+                "rows after the view",
+            );
+            assert_close(
+                &after[3 * 67..8 * 67],
+                &expected_view,
+                tolerance(dtype),
+                "view rows",
+            );
             // A permuted view of a contiguous tensor is dense: in place works along either dim.
             let xs = rand_tensor(&[12, 9], 2.0, dtype, dev, 25)?;
             let t = xs.t()?;
             let bias = rand_tensor(&[12], 2.0, dtype, dev, 26)?;
             let expected = reference(&t, &bias, 1)?;
             bias_add_(&t, &bias, 1)?;
-            assert_close(&to_f64(&t)?, &expected, tolerance(dtype), "transposed in place");
+            assert_close(
+                &to_f64(&t)?,
+                &expected,
+                tolerance(dtype),
+                "transposed in place",
+            );
         }
         Ok(())
     })
@@ -125,12 +176,21 @@ fn cpu_and_gpu_agree_exactly() -> Result<()> {
     // give bit-identical results.
     let Some(gpu) = gpu() else { return Ok(()) };
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for (shape, dim) in [(vec![1000usize, 4096], 1usize), (vec![16, 64, 28, 28], 1), (vec![3, 1031], 1)] {
+        for (shape, dim) in [
+            (vec![1000usize, 4096], 1usize),
+            (vec![16, 64, 28, 28], 1),
+            (vec![3, 1031], 1),
+        ] {
             let xs = rand_tensor(&shape, 8.0, dtype, &Device::Cpu, 31)?;
             let bias = rand_tensor(&[shape[dim]], 8.0, dtype, &Device::Cpu, 32)?;
             let cpu = to_f64(&bias_add(&xs, &bias, dim)?)?;
             let on_gpu = bias_add(&xs.to_device(&gpu)?, &bias.to_device(&gpu)?, dim)?;
-            assert_close(&to_f64(&on_gpu)?, &cpu, 0.0, &format!("cpu vs gpu {dtype:?} {shape:?}"));
+            assert_close(
+                &to_f64(&on_gpu)?,
+                &cpu,
+                0.0,
+                &format!("cpu vs gpu {dtype:?} {shape:?}"),
+            );
         }
     }
     Ok(())
@@ -146,20 +206,31 @@ fn weighted_sum(ys: &Tensor, salt: u64) -> Result<Tensor> {
 fn gradients_match_broadcast_add() {
     for_each_device(|dev| {
         for dtype in [DType::F32, DType::BF16] {
-            for (shape, dim) in [(vec![6usize, 5, 4, 3], 1usize), (vec![9, 17], 1), (vec![9, 17], 0), (vec![13], 0)] {
+            for (shape, dim) in [
+                (vec![6usize, 5, 4, 3], 1usize),
+                (vec![9, 17], 1),
+                (vec![9, 17], 0),
+                (vec![13], 0),
+            ] {
                 let x0 = rand_tensor(&shape, 1.0, dtype, dev, 41)?;
                 let b0 = rand_tensor(&[shape[dim]], 1.0, dtype, dev, 42)?;
                 let (xs, bias) = (Var::from_tensor(&x0)?, Var::from_tensor(&b0)?);
                 let ours = weighted_sum(&bias_add(&xs, &bias, dim)?, 43)?.backward()?;
                 let mut bshape = vec![1; shape.len()];
                 bshape[dim] = shape[dim];
-                let theirs = weighted_sum(&xs.broadcast_add(&bias.reshape(bshape)?)?, 43)?.backward()?;
+                let theirs =
+                    weighted_sum(&xs.broadcast_add(&bias.reshape(bshape)?)?, 43)?.backward()?;
                 for (name, var) in [("xs", &xs), ("bias", &bias)] {
                     let ours = ours.get(var).expect("gradient present");
                     let theirs = theirs.get(var).expect("gradient present");
                     assert_eq!(ours.dims(), var.dims());
                     let tol = tolerance(dtype) * (shape.iter().product::<usize>() as f64).sqrt();
-                    assert_close(&to_f64(ours)?, &to_f64(theirs)?, tol, &format!("grad {name} {dtype:?} {shape:?} dim {dim}"));
+                    assert_close(
+                        &to_f64(ours)?,
+                        &to_f64(theirs)?,
+                        tol,
+                        &format!("grad {name} {dtype:?} {shape:?} dim {dim}"),
+                    );
                 }
             }
         }
@@ -170,7 +241,10 @@ fn gradients_match_broadcast_add() {
 fn expect_err(result: Result<impl Sized>, needle: &str) {
     match result {
         Ok(_) => panic!("expected an error containing {needle:?}"),
-        Err(e) => assert!(e.to_string().contains(needle), "error {e:?} does not mention {needle:?}"),
+        Err(e) => assert!(
+            e.to_string().contains(needle),
+            "error {e:?} does not mention {needle:?}"
+        ),
     }
 }
 
@@ -185,13 +259,22 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
         expect_err(bias_add(&xs, &bias6, 2), "out of range");
         expect_err(bias_add(&xs, &bias6.reshape((2, 3))?, 1), "must be 1-D");
         expect_err(bias_add(&xs, &bias6, 0), "6 elements but xs has 4");
-        expect_err(bias_add(&xs, &bias6.to_dtype(DType::F16)?, 1), "dtype mismatch");
+        expect_err(
+            bias_add(&xs, &bias6.to_dtype(DType::F16)?, 1),
+            "dtype mismatch",
+        );
         let ints = Tensor::zeros((4, 6), DType::U32, dev)?;
-        expect_err(bias_add(&ints, &Tensor::zeros(6, DType::U32, dev)?, 1), "unsupported dtype");
+        expect_err(
+            bias_add(&ints, &Tensor::zeros(6, DType::U32, dev)?, 1),
+            "unsupported dtype",
+        );
         for (result, needle) in [
             (bias_add_(&xs, &bias6, 0), "6 elements"),
             (bias_add_(&xs, &bias6, 5), "out of range"),
-            (bias_add_(&xs, &bias6.to_dtype(DType::BF16)?, 1), "dtype mismatch"),
+            (
+                bias_add_(&xs, &bias6.to_dtype(DType::BF16)?, 1),
+                "dtype mismatch",
+            ),
         ] {
             expect_err(result, needle);
         }
@@ -202,7 +285,10 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
         assert_eq!(to_f64(&wide)?, wide_before, "nothing written on error");
         assert_eq!(to_f64(&xs)?, before, "nothing written on error");
         if dev.is_cuda() {
-            expect_err(bias_add(&xs, &bias6.to_device(&Device::Cpu)?, 1), "device mismatch");
+            expect_err(
+                bias_add(&xs, &bias6.to_device(&Device::Cpu)?, 1),
+                "device mismatch",
+            );
             let x64 = xs.to_dtype(DType::F64)?;
             expect_err(bias_add(&x64, &bias6.to_dtype(DType::F64)?, 1), "CPU only");
         }

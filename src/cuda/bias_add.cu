@@ -100,7 +100,11 @@ __device__ void bias_add(const T* src, T* dst, const T* bias, uint64_t n, uint64
                 Vec16<T> bv;
                 bv.raw = *reinterpret_cast<const uint4*>(bias_src + c);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) b[j] = to_float(bv.lanes[j]);
+                for (int j = 0; j < VEC; j += 2) {
+                    const float2 pair = to_float2(bv.lanes + j);
+                    b[j] = pair.x;
+                    b[j + 1] = pair.y;
+                }
             } else {
                 uint64_t rr = r;
                 uint32_t cc = c;
@@ -115,7 +119,10 @@ __device__ void bias_add(const T* src, T* dst, const T* bias, uint64_t n, uint64
             }
             Vec16<T> y;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) y.lanes[j] = from_float<T>(to_float(x[k].lanes[j]) + b[j]);
+            for (int j = 0; j < VEC; j += 2) {
+                const float2 xs = to_float2(x[k].lanes + j);
+                from_float2(y.lanes + j, xs.x + b[j], xs.y + b[j + 1]);
+            }
             store16<H>(dst_vec + v, y.raw);
 
             // Advance (c, r) by one grid stride.

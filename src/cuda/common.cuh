@@ -22,6 +22,29 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(v);
 }
 
+// Pairs of adjacent values converted with one packed instruction (F2FP / HADD2.F32 on sm_90)
+// instead of two scalar conversions; same rounding as the scalar forms.
+template <typename T> __device__ __forceinline__ float2 to_float2(const T* p) {
+    return make_float2(to_float(p[0]), to_float(p[1]));
+}
+template <> __device__ __forceinline__ float2 to_float2<__half>(const __half* p) {
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(const __nv_bfloat16* p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+template <typename T> __device__ __forceinline__ void from_float2(T* p, float a, float b) {
+    p[0] = from_float<T>(a);
+    p[1] = from_float<T>(b);
+}
+template <> __device__ __forceinline__ void from_float2<__half>(__half* p, float a, float b) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ void from_float2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
 // How a kernel streams a tensor it touches exactly once. `Streaming` (ld.cs / st.cs) marks the
 // lines evict-first so the stream does not push reused data (a bias, a weight stripe) out of L2;
 // `Volatile` (ld.cv / st.wt) is what the TF study used; `Default` is a plain ld/st.

@@ -3,8 +3,8 @@
 
 use candle_core::cuda_backend::cudarc::driver::{self, CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
-use std::sync::Arc;
 use candle_core::{CudaDevice, Result};
+use std::sync::Arc;
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -41,7 +41,10 @@ impl Kernel {
     /// Loads `name` from `module`, compiling the module's PTX on its first use on this device.
     pub(crate) fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<Self> {
         let func = dev.get_or_load_custom_func(name, module.name(), module.ptx())?;
-        Ok(Self { func: func.into_cuda_function(), stream: dev.cuda_stream() })
+        Ok(Self {
+            func: func.into_cuda_function(),
+            stream: dev.cuda_stream(),
+        })
     }
 
     /// The one launch path of the crate: pushes the kernel's arguments and launches it on the

@@ -23,7 +23,9 @@ pub fn devices() -> Vec<Device> {
                 Some(dev)
             }
             Err(e) => {
-                say(&format!("note: no usable CUDA device ({e}): GPU tests SKIPPED, CPU only"));
+                say(&format!(
+                    "note: no usable CUDA device ({e}): GPU tests SKIPPED, CPU only"
+                ));
                 None
             }
         }
@@ -83,17 +85,28 @@ pub fn rng(salt: u64) -> rand::rngs::StdRng {
 /// Uniform values in [-scale, scale), never all zero, as a tensor of `dtype` on `dev`.
 /// The values are rounded to `dtype` first, so references built from [`to_f64`] see exactly the
 /// op's inputs.
-pub fn rand_tensor(shape: &[usize], scale: f64, dtype: DType, dev: &Device, salt: u64) -> Result<Tensor> {
+pub fn rand_tensor(
+    shape: &[usize],
+    scale: f64,
+    dtype: DType,
+    dev: &Device,
+    salt: u64,
+) -> Result<Tensor> {
     let mut rng = rng(salt);
     let n: usize = shape.iter().product();
     let data: Vec<f64> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
-    Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)
+    Tensor::from_vec(data, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(dev)
 }
 
 /// Every element as f64, in row-major order of the tensor's logical layout. Converted on the
 /// CPU: candle's CUDA cast cannot launch on an empty tensor.
 pub fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
-    t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
+    t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()
 }
 
 /// Relative tolerance of one rounding to `dtype`, with some slack.
@@ -122,7 +135,10 @@ pub fn assert_close(actual: &[f64], expected: &[f64], tol: f64, what: &str) {
             continue;
         }
         let err = (a - e).abs() / e.abs().max(1.0);
-        assert!(err.is_finite(), "{what}: element {i} is {a}, expected {e} (unwritten?)");
+        assert!(
+            err.is_finite(),
+            "{what}: element {i} is {a}, expected {e} (unwritten?)"
+        );
         if err > worst.1 {
             worst = (i, err);
         }
