@@ -7,7 +7,7 @@
 //! | [`bias_add`] / [`bias_add_`] | TensorFlow `BiasAdd`: a 1-D bias along any dim | implemented |
 //! | sparse feature transformer | NNUE input layer, forward and backward | planned |
 //! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
-//! | softmax over any set of dims | driven by a reusable reduce plan | planned |
+//! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
 //! | small_fc_lopt | learned optimizer as a `candle_nn::Optimizer` | planned |
 //!
 //! ```
@@ -30,8 +30,12 @@ mod cpu;
 mod cuda;
 mod dispatch;
 mod poison;
+mod reduce_plan;
+mod softmax;
 
 pub use bias_add::{bias_add, bias_add_};
+pub use reduce_plan::ReducePlan;
+pub use softmax::{log_softmax_dims, softmax_dims};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
 #[doc(hidden)]

@@ -15,18 +15,21 @@ mod ptx {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Module {
     BiasAdd,
+    Softmax,
 }
 
 impl Module {
     fn name(self) -> &'static str {
         match self {
             Module::BiasAdd => "candle_fastops_bias_add",
+            Module::Softmax => "candle_fastops_softmax",
         }
     }
 
     fn ptx(self) -> &'static str {
         match self {
             Module::BiasAdd => ptx::BIAS_ADD,
+            Module::Softmax => ptx::SOFTMAX,
         }
     }
 }

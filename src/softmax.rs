@@ -1,0 +1,444 @@
+//! Softmax and log-softmax over any set of dims of a tensor of any rank, in one or two passes
+//! over memory, driven by a [`ReducePlan`].
+
+use crate::cpu::output_vec;
+use crate::dispatch::with_float_cpu;
+use crate::reduce_plan::ReducePlan;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Softmax over the sub-tensors spanned by `dims`: every group of elements that share their
+/// indices along the other dims is normalised to sum to 1. `dims` may come in any order;
+/// all dims of the tensor means softmax over the whole tensor.
+///
+/// * Max-subtracted; f16/bf16 accumulate in f32, f32 in f32, f64 (CPU only) in f64.
+/// * A group whose entries are all `-inf` gives zeros, not NaN (fully masked attention rows).
+///   A NaN in a group makes that group NaN and no other.
+/// * Any layout (a non-contiguous input is copied first). Autograd:
+///   `grad_x = y * (g - sum_over_dims(g * y))`.
+/// * Errors: rank 0, empty `dims`, duplicate or out-of-range dims, unsupported dtype.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let xs = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((2, 3, 4))?;
+/// // Normalise each of the three [2, 4] slices.
+/// let ys = candle_fastops::softmax_dims(&xs, &[0, 2])?;
+/// let sums = ys.sum_keepdim(0)?.sum_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
+/// assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-6));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    apply(xs, dims, false)
+}
+
+/// Log-softmax over `dims`: `x - max - log(sum(exp(x - max)))` per group, with the semantics of
+/// [`softmax_dims`]; a group whose entries are all `-inf` gives `-inf`. Autograd:
+/// `grad_x = g - exp(y) * sum_over_dims(g)`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let xs = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let ys = candle_fastops::log_softmax_dims(&xs, &[0])?;
+/// let expected = (xs.clone() - xs.exp()?.sum_keepdim(0)?.log()?.broadcast_as((2, 2))?)?;
+/// let diff = (ys - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn log_softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    apply(xs, dims, true)
+}
+
+fn apply(xs: &Tensor, dims: &[usize], log: bool) -> Result<Tensor> {
+    let op = if log { "log_softmax_dims" } else { "softmax_dims" };
+    if xs.rank() == 0 {
+        bail!("{op}: rank-0 tensors have no dims to normalise over");
+    }
+    if !matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        bail!("{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)", xs.dtype());
+    }
+    if xs.device().is_cuda() && xs.dtype() == DType::F64 {
+        bail!("{op}: f64 is supported on the CPU only");
+    }
+    let plan = ReducePlan::cached(xs.dims(), dims).map_err(|e| e.context(op))?;
+    xs.contiguous()?.apply_op1(SoftmaxDims { plan, log })
+}
+
+struct SoftmaxDims {
+    plan: Arc<ReducePlan>,
+    log: bool,
+}
+
+impl SoftmaxDims {
+    fn op_name(&self) -> &'static str {
+        if self.log {
+            "log_softmax_dims"
+        } else {
+            "softmax_dims"
+        }
+    }
+
+    fn contiguous_start(&self, layout: &Layout) -> Result<usize> {
+        match layout.contiguous_offsets() {
+            Some((start, _)) if layout.dims() == self.plan.shape() => Ok(start),
+            _ => bail!("{}: internal error, input reached the kernel non-contiguous", self.op_name()),
+        }
+    }
+}
+
+/// f64 inputs accumulate in f64, everything else in f32.
+fn is_f64<T: WithDType>(_: &[T]) -> bool {
+    T::DTYPE == DType::F64
+}
+
+impl CustomOp1 for SoftmaxDims {
+    fn name(&self) -> &'static str {
+        if self.log {
+            "fastops-log-softmax-dims"
+        } else {
+            "fastops-softmax-dims"
+        }
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let start = self.contiguous_start(layout)?;
+        let n = layout.shape().elem_count();
+        let out = with_float_cpu!(self.op_name(), storage, |xs| {
+            let xs = &xs[start..start + n];
+            let ys = if is_f64(xs) {
+                cpu::softmax::<_, f64>(xs, &self.plan, self.log)
+            } else {
+                cpu::softmax::<_, f32>(xs, &self.plan, self.log)
+            };
+            WithDType::to_cpu_storage_owned(ys)
+        });
+        Ok((out, layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let start = self.contiguous_start(layout)?;
+        let n = layout.shape().elem_count();
+        let dev = &storage.device;
+        let out = crate::dispatch::with_float_cuda!(self.op_name(), &storage.slice, |xs| {
+            let xs = xs.slice(start..start + n);
+            let ys = crate::cuda::alloc_output(dev, n)?;
+            cuda::launch_softmax(dev, &self.plan, self.log, &xs, &ys)?;
+            candle_core::CudaStorage::wrap_cuda_slice(ys, dev.clone())
+        });
+        Ok((out, layout.shape().clone()))
+    }
+
+    fn bwd(&self, _xs: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let dims = self.plan.dims().to_vec();
+        let grad = if self.log {
+            let total = grad_res.sum_keepdim(dims)?;
+            (grad_res - res.exp()?.broadcast_mul(&total)?)?
+        } else {
+            let dot = (grad_res * res)?.sum_keepdim(dims)?;
+            (res * grad_res.broadcast_sub(&dot)?)?
+        };
+        Ok(Some(grad))
+    }
+}
+
+mod cpu {
+    use super::*;
+    use num_traits::Float;
+
+    /// Lanes per task in column mode, so a plan with one huge kept block still spreads over
+    /// every core.
+    const LANE_CHUNK: usize = 1024;
+
+    /// Output pointer shared by tasks that write disjoint element sets.
+    #[derive(Clone, Copy)]
+    struct OutPtr<T>(*mut T);
+    // SAFETY: each task writes only the elements of its own groups; the plan maps every element
+    // to exactly one group.
+    unsafe impl<T> Send for OutPtr<T> {}
+    unsafe impl<T> Sync for OutPtr<T> {}
+
+    fn load<T: WithDType, C: Float>(x: T) -> C {
+        C::from(x.to_f64()).unwrap_or_else(C::nan)
+    }
+
+    fn store<T: WithDType, C: Float>(v: C) -> T {
+        T::from_f64(v.to_f64().unwrap_or(f64::NAN))
+    }
+
+    /// NaN-propagating max.
+    fn max_nan<C: Float>(a: C, b: C) -> C {
+        if a.is_nan() || b > a {
+            b
+        } else {
+            a
+        }
+    }
+
+    /// Softmax of contiguous `xs` over the plan's groups, accumulating in `C`.
+    pub(super) fn softmax<T: WithDType, C: Float + Send + Sync>(
+        xs: &[T],
+        plan: &ReducePlan,
+        log: bool,
+    ) -> Vec<T> {
+        let n = xs.len();
+        let mut ys = output_vec::<T>(n);
+        let (groups, size) = (plan.num_groups(), plan.group_size());
+        if groups > 0 && size > 0 {
+            let out = OutPtr(ys.as_mut_ptr());
+            let lanes = plan.lanes();
+            if lanes == 1 {
+                (0..groups).into_par_iter().for_each(|g| {
+                    let out = out;
+                    row_group::<T, C>(xs, out.0, plan, g, log)
+                });
+            } else {
+                let outer = groups / lanes;
+                let chunks = lanes.div_ceil(LANE_CHUNK);
+                (0..outer * chunks).into_par_iter().for_each(|task| {
+                    let out = out;
+                    let (g_outer, chunk) = (task / chunks, task % chunks);
+                    let first = chunk * LANE_CHUNK;
+                    let width = LANE_CHUNK.min(lanes - first);
+                    column_group::<T, C>(xs, out.0, plan, g_outer * lanes + first, width, log)
+                });
+            }
+        }
+        // SAFETY: the groups above cover every element of the tensor and write each once.
+        unsafe { ys.set_len(n) };
+        ys
+    }
+
+    /// One group whose innermost reduced block is contiguous: runs of `run` elements.
+    fn row_group<T: WithDType, C: Float>(xs: &[T], ys: *mut T, plan: &ReducePlan, g: usize, log: bool) {
+        let run = plan.reduced_blocks().last().map_or(1, |b| b.size);
+        let runs = plan.group_size() / run;
+        let base = plan.group_base(g);
+        let offsets = (0..runs).map(|r| base + plan.reduced_offset(r * run));
+        let mut m = C::neg_infinity();
+        for off in offsets.clone() {
+            for &x in &xs[off..off + run] {
+                m = max_nan(m, load::<T, C>(x));
+            }
+        }
+        let mut s = C::zero();
+        for off in offsets.clone() {
+            for (i, &x) in xs[off..off + run].iter().enumerate() {
+                let e = (load::<T, C>(x) - m).exp();
+                s = s + e;
+                if !log {
+                    // SAFETY: `off + i` is an element of group `g`, written by this task only.
+                    unsafe { ys.add(off + i).write(store(e)) };
+                }
+            }
+        }
+        let (inv, log_s) = (s.recip(), s.ln());
+        for off in offsets {
+            for i in off..off + run {
+                let y = if m == C::neg_infinity() {
+                    if log {
+                        C::neg_infinity()
+                    } else {
+                        C::zero()
+                    }
+                } else if log {
+                    load::<T, C>(xs[i]) - m - log_s
+                } else {
+                    // SAFETY: written above by this task.
+                    load::<T, C>(unsafe { ys.add(i).read() }) * inv
+                };
+                // SAFETY: as above.
+                unsafe { ys.add(i).write(store(y)) };
+            }
+        }
+    }
+
+    /// `width` adjacent groups starting at `g0` whose elements are strided: for each reduced
+    /// index the groups form a contiguous run of `width` values.
+    fn column_group<T: WithDType, C: Float>(
+        xs: &[T],
+        ys: *mut T,
+        plan: &ReducePlan,
+        g0: usize,
+        width: usize,
+        log: bool,
+    ) {
+        let base = plan.group_base(g0);
+        let offsets = (0..plan.group_size()).map(|j| base + plan.reduced_offset(j));
+        let mut m = vec![C::neg_infinity(); width];
+        for off in offsets.clone() {
+            for (m, &x) in m.iter_mut().zip(&xs[off..off + width]) {
+                *m = max_nan(*m, load::<T, C>(x));
+            }
+        }
+        let mut s = vec![C::zero(); width];
+        for off in offsets.clone() {
+            for ((s, &m), &x) in s.iter_mut().zip(&m).zip(&xs[off..off + width]) {
+                *s = *s + (load::<T, C>(x) - m).exp();
+            }
+        }
+        let inv: Vec<C> = s.iter().map(|s| s.recip()).collect();
+        let log_s: Vec<C> = s.iter().map(|s| s.ln()).collect();
+        for off in offsets {
+            for (lane, &x) in xs[off..off + width].iter().enumerate() {
+                let (m, x) = (m[lane], load::<T, C>(x));
+                let y = match (m == C::neg_infinity(), log) {
+                    (true, true) => C::neg_infinity(),
+                    (true, false) => C::zero(),
+                    (false, true) => x - m - log_s[lane],
+                    (false, false) => (x - m).exp() * inv[lane],
+                };
+                // SAFETY: element `lane` of the run belongs to group `g0 + lane`, owned here.
+                unsafe { ys.add(off + lane).write(store(y)) };
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::{alloc_output, sm_count, Kernel, Module};
+    use crate::reduce_plan::{Block, ReducePlan, MAX_BLOCKS};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::kernel_name;
+    use candle_core::{bail, CudaDevice, Result, WithDType};
+
+    /// `n / divisor` for `n < 2^31` as `(umulhi(n, multiplier) + n) >> shift`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default)]
+    struct FastDiv {
+        divisor: u32,
+        multiplier: u32,
+        shift: u32,
+    }
+
+    impl FastDiv {
+        fn new(divisor: usize) -> Self {
+            let d = divisor.max(1) as u64;
+            let shift = 64 - (d - 1).leading_zeros() as u64; // ceil(log2(d))
+            let multiplier = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
+            Self { divisor: d as u32, multiplier, shift: shift as u32 }
+        }
+    }
+
+    /// Mirrors `ReduceLayout` in `softmax.cu`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    struct ReduceLayout {
+        n_kept: u32,
+        n_reduced: u32,
+        kept_div: [FastDiv; MAX_BLOCKS],
+        kept_stride: [u64; MAX_BLOCKS],
+        reduced_div: [FastDiv; MAX_BLOCKS],
+        reduced_stride: [u64; MAX_BLOCKS],
+        lanes: FastDiv,
+        num_groups: u32,
+        group_size: u32,
+    }
+
+    // SAFETY: plain-old-data with the same C layout as the kernel's parameter.
+    unsafe impl DeviceRepr for ReduceLayout {}
+
+    fn blocks_to_arrays(blocks: &[Block]) -> ([FastDiv; MAX_BLOCKS], [u64; MAX_BLOCKS]) {
+        let mut divs = [FastDiv::default(); MAX_BLOCKS];
+        let mut strides = [0u64; MAX_BLOCKS];
+        for (i, b) in blocks.iter().enumerate() {
+            divs[i] = FastDiv::new(b.size);
+            strides[i] = b.stride as u64;
+        }
+        (divs, strides)
+    }
+
+    impl ReduceLayout {
+        fn new(plan: &ReducePlan) -> Self {
+            let (kept_div, kept_stride) = blocks_to_arrays(plan.kept_blocks());
+            let (reduced_div, reduced_stride) = blocks_to_arrays(plan.reduced_blocks());
+            Self {
+                n_kept: plan.kept_blocks().len() as u32,
+                n_reduced: plan.reduced_blocks().len() as u32,
+                kept_div,
+                kept_stride,
+                reduced_div,
+                reduced_stride,
+                lanes: FastDiv::new(plan.lanes()),
+                num_groups: plan.num_groups() as u32,
+                group_size: plan.group_size() as u32,
+            }
+        }
+    }
+
+    /// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
+    const THREADS: usize = 256;
+    /// Fewest elements a thread should stream per chunk before splitting groups pays.
+    const MIN_ELEMS_PER_THREAD: usize = 64;
+
+    pub(super) fn launch_softmax<T: WithDType>(
+        dev: &CudaDevice,
+        plan: &ReducePlan,
+        log: bool,
+        xs: &CudaView<'_, T>,
+        ys: &CudaSlice<T>,
+    ) -> Result<()> {
+        let (groups, size, lanes) = (plan.num_groups(), plan.group_size(), plan.lanes());
+        if groups == 0 || size == 0 {
+            return Ok(());
+        }
+        if groups >= 1 << 31 || size >= 1 << 31 {
+            bail!("softmax_dims: groups of 2^31 or more elements, or 2^31 or more groups, are not supported on CUDA");
+        }
+        let (lx, ly) = if lanes > 1 {
+            (32, THREADS / 32)
+        } else {
+            let ly = size.next_power_of_two().min(THREADS);
+            (THREADS / ly, ly)
+        };
+        let blocks_x = groups.div_ceil(lx);
+        let target_blocks = 4 * sm_count(dev)? as usize;
+        let mut chunks = 1;
+        if blocks_x < target_blocks {
+            chunks = target_blocks
+                .div_ceil(blocks_x)
+                .min((size / (ly * MIN_ELEMS_PER_THREAD)).max(1));
+        }
+        let chunk_len = size.div_ceil(chunks);
+        let chunks = size.div_ceil(chunk_len);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_x as u32, chunks as u32, 1),
+            block_dim: (lx as u32, ly as u32, 1),
+            shared_mem_bytes: (lx * ly * 8) as u32,
+        };
+        let layout = ReduceLayout::new(plan);
+        let chunk_len = chunk_len as u32;
+        let prefix = if log { "log_softmax" } else { "softmax" };
+        // SAFETY (all launches): arguments match the kernels' signatures; every access is
+        // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
+        // of the plan for this shape.
+        if chunks == 1 {
+            let kernel = Kernel::load(dev, Module::Softmax, &kernel_name::<T>(&format!("{prefix}_fused")))?;
+            return unsafe {
+                kernel.launch(cfg, |args| {
+                    args.arg(xs).arg(ys).arg(&layout).arg(&chunk_len);
+                })
+            };
+        }
+        let partials = alloc_output::<f32>(dev, 2 * groups * chunks)?;
+        let partial = Kernel::load(dev, Module::Softmax, &kernel_name::<T>("softmax_partial"))?;
+        unsafe {
+            partial.launch(cfg, |args| {
+                args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
+            })?;
+        }
+        let finish = Kernel::load(dev, Module::Softmax, &kernel_name::<T>(&format!("{prefix}_finish")))?;
+        unsafe {
+            finish.launch(cfg, |args| {
+                args.arg(xs).arg(ys).arg(&partials).arg(&layout).arg(&chunk_len);
+            })
+        }
+    }
+}
