@@ -296,6 +296,100 @@ fn bench_bias_add(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
+/// What a candle user writes today for softmax over several dims: five ops, several passes.
+fn softmax_composite(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let mut max = xs.clone();
+    for &d in dims {
+        max = max.max_keepdim(d)?;
+    }
+    let exp = xs.broadcast_sub(&max)?.exp()?;
+    let mut sum = exp.clone();
+    for &d in dims {
+        sum = sum.sum_keepdim(d)?;
+    }
+    exp.broadcast_div(&sum)
+}
+
+fn bench_softmax(b: &mut Bench) -> Result<()> {
+    const OP: &str = "softmax";
+    if !b.wants(OP) {
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    let cases: Vec<(Vec<usize>, Vec<usize>, Vec<DType>)> = if dev.is_cuda() {
+        vec![
+            (
+                vec![32, 1024, 4096],
+                vec![0, 2],
+                vec![DType::F32, DType::BF16],
+            ),
+            (vec![32, 1024, 4096], vec![2], vec![DType::F32, DType::BF16]),
+            (vec![32, 1024, 4096], vec![0], vec![DType::F32, DType::BF16]),
+            (
+                vec![8, 16, 32, 64, 128],
+                vec![1, 3],
+                vec![DType::F32, DType::BF16],
+            ),
+        ]
+    } else {
+        vec![
+            (vec![8, 256, 1024], vec![0, 2], vec![DType::F32]),
+            (vec![8, 256, 1024], vec![2], vec![DType::F32]),
+            (vec![8, 256, 1024], vec![0], vec![DType::F32]),
+        ]
+    };
+    for (shape, dims, dtypes) in cases {
+        for dtype in dtypes {
+            let xs = randn(&shape, dtype, &dev)?;
+            let bytes = 2.0 * xs.elem_count() as f64 * dtype.size_in_bytes() as f64;
+            let case = format!("{shape:?} dims {dims:?}");
+            let last_dim_only = dims == [shape.len() - 1];
+            if last_dim_only {
+                b.compare(
+                    OP,
+                    &case,
+                    dtype,
+                    Work::Bytes(bytes),
+                    || candle_fastops::softmax_dims(&xs, &dims).map(drop),
+                    "candle_nn softmax_last_dim",
+                    || candle_nn::ops::softmax_last_dim(&xs).map(drop),
+                )?;
+                b.compare(
+                    OP,
+                    &format!("{case} log"),
+                    dtype,
+                    Work::Bytes(bytes),
+                    || candle_fastops::log_softmax_dims(&xs, &dims).map(drop),
+                    "candle_nn log_softmax",
+                    || candle_nn::ops::log_softmax(&xs, candle_core::D::Minus1).map(drop),
+                )?;
+            } else {
+                b.compare(
+                    OP,
+                    &case,
+                    dtype,
+                    Work::Bytes(bytes),
+                    || candle_fastops::softmax_dims(&xs, &dims).map(drop),
+                    "max/sub/exp/sum/div composite",
+                    || softmax_composite(&xs, &dims).map(drop),
+                )?;
+                if !dev.is_cuda() {
+                    b.compare(
+                        OP,
+                        &format!("{case} vs last-dim"),
+                        dtype,
+                        Work::Bytes(bytes),
+                        || candle_fastops::softmax_dims(&xs, &dims).map(drop),
+                        "candle_nn softmax_last_dim",
+                        || candle_nn::ops::softmax_last_dim(&xs).map(drop),
+                    )?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
     candle_fastops::bias_add(xs, bias, dim).map(drop)
 }
@@ -320,6 +414,7 @@ fn main() -> Result<()> {
     };
     print_header();
     bench_bias_add(&mut bench)?;
+    bench_softmax(&mut bench)?;
     match bench.write_jsonl() {
         Ok(path) => println!("rows appended to {}", path.display()),
         Err(e) => eprintln!("could not write bench rows: {e}"),

@@ -38,3 +38,52 @@ fn advise_huge_pages(addr: usize, bytes: usize) {
         }
     }
 }
+
+/// A float dtype's CPU arithmetic type: f32 for f32, f16 and bf16, f64 for f64. Converting
+/// through it (rather than through `WithDType::to_f64`) keeps f32 loops free of conversions
+/// so they vectorise.
+pub(crate) trait CpuFloat: candle_core::WithDType {
+    type Acc: num_traits::Float + Send + Sync + std::iter::Sum;
+    fn to_acc(self) -> Self::Acc;
+    fn from_acc(acc: Self::Acc) -> Self;
+}
+
+impl CpuFloat for f32 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self
+    }
+    fn from_acc(acc: f32) -> Self {
+        acc
+    }
+}
+
+impl CpuFloat for f64 {
+    type Acc = f64;
+    fn to_acc(self) -> f64 {
+        self
+    }
+    fn from_acc(acc: f64) -> Self {
+        acc
+    }
+}
+
+impl CpuFloat for half::f16 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(acc: f32) -> Self {
+        half::f16::from_f32(acc)
+    }
+}
+
+impl CpuFloat for half::bf16 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(acc: f32) -> Self {
+        half::bf16::from_f32(acc)
+    }
+}

@@ -34,9 +34,9 @@ mod reduce_plan;
 mod softmax;
 
 pub use bias_add::{bias_add, bias_add_};
-pub use reduce_plan::ReducePlan;
-pub use softmax::{log_softmax_dims, softmax_dims};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
+pub use reduce_plan::ReducePlan;
+pub use softmax::{log_softmax_dims, softmax_dims};

@@ -94,14 +94,30 @@ impl ReducePlan {
             lanes = block.size;
             blocks.remove(0);
         }
-        let kept: Vec<Block> = blocks.iter().rev().filter(|(r, _)| !r).map(|(_, b)| *b).collect();
-        let reduced: Vec<Block> = blocks.iter().rev().filter(|(r, _)| *r).map(|(_, b)| *b).collect();
+        let kept: Vec<Block> = blocks
+            .iter()
+            .rev()
+            .filter(|(r, _)| !r)
+            .map(|(_, b)| *b)
+            .collect();
+        let reduced: Vec<Block> = blocks
+            .iter()
+            .rev()
+            .filter(|(r, _)| *r)
+            .map(|(_, b)| *b)
+            .collect();
         if kept.len() > MAX_BLOCKS || reduced.len() > MAX_BLOCKS {
             bail!(
                 "reduce over dims: dims {dims:?} of shape {shape:?} alternate more than {MAX_BLOCKS} times"
             );
         }
-        Ok(Self { shape: shape.to_vec(), dims: sorted, kept, lanes, reduced })
+        Ok(Self {
+            shape: shape.to_vec(),
+            dims: sorted,
+            kept,
+            lanes,
+            reduced,
+        })
     }
 
     /// A plan from the process-wide cache, built on first use for this (shape, dims).
@@ -211,11 +227,17 @@ mod tests {
         // The seed design's expected permutations for [2, 3, 4].
         assert_eq!(
             all_offsets(&[2, 3, 4], &[0, 2]),
-            [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 16, 17, 18, 19, 8, 9, 10, 11, 20, 21, 22, 23]
+            [
+                0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 16, 17, 18, 19, 8, 9, 10, 11, 20, 21, 22,
+                23
+            ]
         );
         assert_eq!(
             all_offsets(&[2, 3, 4], &[1]),
-            [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, 12, 16, 20, 13, 17, 21, 14, 18, 22, 15, 19, 23]
+            [
+                0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, 12, 16, 20, 13, 17, 21, 14, 18, 22, 15, 19,
+                23
+            ]
         );
     }
 
@@ -231,9 +253,14 @@ mod tests {
             // multi-index in row-major order.
             let mut expected = Vec::new();
             let n: usize = shape.iter().product();
-            let index = |flat: usize| -> Vec<usize> { (0..rank).map(|d| flat / strides[d] % shape[d]).collect() };
+            let index = |flat: usize| -> Vec<usize> {
+                (0..rank).map(|d| flat / strides[d] % shape[d]).collect()
+            };
             let key = |idx: &[usize], reduced: bool| -> Vec<usize> {
-                (0..rank).filter(|d| dims.contains(d) == reduced).map(|d| idx[d]).collect()
+                (0..rank)
+                    .filter(|d| dims.contains(d) == reduced)
+                    .map(|d| idx[d])
+                    .collect()
             };
             let mut flat: Vec<usize> = (0..n).collect();
             flat.sort_by_key(|&f| (key(&index(f), false), key(&index(f), true)));

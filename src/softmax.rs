@@ -50,12 +50,22 @@ pub fn log_softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
 }
 
 fn apply(xs: &Tensor, dims: &[usize], log: bool) -> Result<Tensor> {
-    let op = if log { "log_softmax_dims" } else { "softmax_dims" };
+    let op = if log {
+        "log_softmax_dims"
+    } else {
+        "softmax_dims"
+    };
     if xs.rank() == 0 {
         bail!("{op}: rank-0 tensors have no dims to normalise over");
     }
-    if !matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
-        bail!("{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)", xs.dtype());
+    if !matches!(
+        xs.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        bail!(
+            "{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            xs.dtype()
+        );
     }
     if xs.device().is_cuda() && xs.dtype() == DType::F64 {
         bail!("{op}: f64 is supported on the CPU only");
@@ -81,14 +91,12 @@ impl SoftmaxDims {
     fn contiguous_start(&self, layout: &Layout) -> Result<usize> {
         match layout.contiguous_offsets() {
             Some((start, _)) if layout.dims() == self.plan.shape() => Ok(start),
-            _ => bail!("{}: internal error, input reached the kernel non-contiguous", self.op_name()),
+            _ => bail!(
+                "{}: internal error, input reached the kernel non-contiguous",
+                self.op_name()
+            ),
         }
     }
-}
-
-/// f64 inputs accumulate in f64, everything else in f32.
-fn is_f64<T: WithDType>(_: &[T]) -> bool {
-    T::DTYPE == DType::F64
 }
 
 impl CustomOp1 for SoftmaxDims {
@@ -105,12 +113,7 @@ impl CustomOp1 for SoftmaxDims {
         let n = layout.shape().elem_count();
         let out = with_float_cpu!(self.op_name(), storage, |xs| {
             let xs = &xs[start..start + n];
-            let ys = if is_f64(xs) {
-                cpu::softmax::<_, f64>(xs, &self.plan, self.log)
-            } else {
-                cpu::softmax::<_, f32>(xs, &self.plan, self.log)
-            };
-            WithDType::to_cpu_storage_owned(ys)
+            WithDType::to_cpu_storage_owned(cpu::softmax(xs, &self.plan, self.log))
         });
         Ok((out, layout.shape().clone()))
     }
@@ -148,6 +151,7 @@ impl CustomOp1 for SoftmaxDims {
 
 mod cpu {
     use super::*;
+    use crate::cpu::CpuFloat;
     use num_traits::Float;
 
     /// Lanes per task in column mode, so a plan with one huge kept block still spreads over
@@ -162,29 +166,32 @@ mod cpu {
     unsafe impl<T> Send for OutPtr<T> {}
     unsafe impl<T> Sync for OutPtr<T> {}
 
-    fn load<T: WithDType, C: Float>(x: T) -> C {
-        C::from(x.to_f64()).unwrap_or_else(C::nan)
-    }
-
-    fn store<T: WithDType, C: Float>(v: C) -> T {
-        T::from_f64(v.to_f64().unwrap_or(f64::NAN))
-    }
-
-    /// NaN-propagating max.
-    fn max_nan<C: Float>(a: C, b: C) -> C {
-        if a.is_nan() || b > a {
-            b
+    /// Max of a group and whether it holds a NaN (kept apart so the max loop vectorises).
+    fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
+        let (mut m, mut nan) = (C::neg_infinity(), false);
+        for v in values {
+            m = m.max(v);
+            nan |= v.is_nan();
+        }
+        if nan {
+            C::nan()
         } else {
-            a
+            m
         }
     }
 
-    /// Softmax of contiguous `xs` over the plan's groups, accumulating in `C`.
-    pub(super) fn softmax<T: WithDType, C: Float + Send + Sync>(
-        xs: &[T],
-        plan: &ReducePlan,
-        log: bool,
-    ) -> Vec<T> {
+    /// The output of one element given its group's max `m` and `log_s = ln(sum(exp(x - m)))`.
+    fn normalise<C: Float>(x: C, m: C, inv_s: C, log_s: C, log: bool) -> C {
+        match (m == C::neg_infinity(), log) {
+            (true, true) => C::neg_infinity(),
+            (true, false) => C::zero(),
+            (false, true) => x - m - log_s,
+            (false, false) => (x - m).exp() * inv_s,
+        }
+    }
+
+    /// Softmax of contiguous `xs` over the plan's groups, accumulating in `T::Acc`.
+    pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Vec<T> {
         let n = xs.len();
         let mut ys = output_vec::<T>(n);
         let (groups, size) = (plan.num_groups(), plan.group_size());
@@ -192,10 +199,12 @@ mod cpu {
             let out = OutPtr(ys.as_mut_ptr());
             let lanes = plan.lanes();
             if lanes == 1 {
-                (0..groups).into_par_iter().for_each(|g| {
-                    let out = out;
-                    row_group::<T, C>(xs, out.0, plan, g, log)
-                });
+                (0..groups)
+                    .into_par_iter()
+                    .for_each_init(Vec::new, |buf, g| {
+                        let out = out;
+                        row_group(xs, out.0, plan, g, log, buf)
+                    });
             } else {
                 let outer = groups / lanes;
                 let chunks = lanes.div_ceil(LANE_CHUNK);
@@ -204,7 +213,7 @@ mod cpu {
                     let (g_outer, chunk) = (task / chunks, task % chunks);
                     let first = chunk * LANE_CHUNK;
                     let width = LANE_CHUNK.min(lanes - first);
-                    column_group::<T, C>(xs, out.0, plan, g_outer * lanes + first, width, log)
+                    column_group(xs, out.0, plan, g_outer * lanes + first, width, log)
                 });
             }
         }
@@ -213,53 +222,53 @@ mod cpu {
         ys
     }
 
-    /// One group whose innermost reduced block is contiguous: runs of `run` elements.
-    fn row_group<T: WithDType, C: Float>(xs: &[T], ys: *mut T, plan: &ReducePlan, g: usize, log: bool) {
+    /// One group whose innermost reduced block is contiguous: gathered run by run into `buf`
+    /// (one read of the input), normalised there, scattered back (one write).
+    fn row_group<T: CpuFloat>(
+        xs: &[T],
+        ys: *mut T,
+        plan: &ReducePlan,
+        g: usize,
+        log: bool,
+        buf: &mut Vec<T::Acc>,
+    ) {
         let run = plan.reduced_blocks().last().map_or(1, |b| b.size);
         let runs = plan.group_size() / run;
         let base = plan.group_base(g);
         let offsets = (0..runs).map(|r| base + plan.reduced_offset(r * run));
-        let mut m = C::neg_infinity();
+        buf.clear();
         for off in offsets.clone() {
-            for &x in &xs[off..off + run] {
-                m = max_nan(m, load::<T, C>(x));
-            }
+            buf.extend(xs[off..off + run].iter().map(|&x| x.to_acc()));
         }
-        let mut s = C::zero();
-        for off in offsets.clone() {
-            for (i, &x) in xs[off..off + run].iter().enumerate() {
-                let e = (load::<T, C>(x) - m).exp();
-                s = s + e;
-                if !log {
-                    // SAFETY: `off + i` is an element of group `g`, written by this task only.
-                    unsafe { ys.add(off + i).write(store(e)) };
-                }
-            }
-        }
-        let (inv, log_s) = (s.recip(), s.ln());
-        for off in offsets {
-            for i in off..off + run {
-                let y = if m == C::neg_infinity() {
-                    if log {
-                        C::neg_infinity()
-                    } else {
-                        C::zero()
-                    }
-                } else if log {
-                    load::<T, C>(xs[i]) - m - log_s
-                } else {
-                    // SAFETY: written above by this task.
-                    load::<T, C>(unsafe { ys.add(i).read() }) * inv
+        let m = max_and_nan(buf.iter().copied());
+        let s: T::Acc = if log {
+            buf.iter().map(|&x| (x - m).exp()).sum()
+        } else {
+            buf.iter_mut()
+                .map(|x| {
+                    *x = (*x - m).exp();
+                    *x
+                })
+                .sum()
+        };
+        let (inv_s, log_s) = (s.recip(), s.ln());
+        let masked = m == <T::Acc as Float>::neg_infinity();
+        for (r, off) in offsets.enumerate() {
+            for (i, &v) in buf[r * run..(r + 1) * run].iter().enumerate() {
+                let y = match (masked, log) {
+                    (true, _) => normalise(v, m, inv_s, log_s, log),
+                    (false, true) => v - m - log_s,
+                    (false, false) => v * inv_s,
                 };
-                // SAFETY: as above.
-                unsafe { ys.add(i).write(store(y)) };
+                // SAFETY: `off + i` is an element of group `g`, written by this task only.
+                unsafe { ys.add(off + i).write(T::from_acc(y)) };
             }
         }
     }
 
     /// `width` adjacent groups starting at `g0` whose elements are strided: for each reduced
     /// index the groups form a contiguous run of `width` values.
-    fn column_group<T: WithDType, C: Float>(
+    fn column_group<T: CpuFloat>(
         xs: &[T],
         ys: *mut T,
         plan: &ReducePlan,
@@ -269,31 +278,34 @@ mod cpu {
     ) {
         let base = plan.group_base(g0);
         let offsets = (0..plan.group_size()).map(|j| base + plan.reduced_offset(j));
-        let mut m = vec![C::neg_infinity(); width];
+        let neg_inf = <T::Acc as Float>::neg_infinity();
+        let mut m = vec![neg_inf; width];
+        let mut nan = vec![false; width];
         for off in offsets.clone() {
-            for (m, &x) in m.iter_mut().zip(&xs[off..off + width]) {
-                *m = max_nan(*m, load::<T, C>(x));
+            for ((m, nan), &x) in m.iter_mut().zip(&mut nan).zip(&xs[off..off + width]) {
+                let x = x.to_acc();
+                *m = m.max(x);
+                *nan |= x.is_nan();
             }
         }
-        let mut s = vec![C::zero(); width];
+        for (m, &nan) in m.iter_mut().zip(&nan) {
+            if nan {
+                *m = <T::Acc as Float>::nan();
+            }
+        }
+        let mut s = vec![<T::Acc as num_traits::Zero>::zero(); width];
         for off in offsets.clone() {
             for ((s, &m), &x) in s.iter_mut().zip(&m).zip(&xs[off..off + width]) {
-                *s = *s + (load::<T, C>(x) - m).exp();
+                *s = *s + (x.to_acc() - m).exp();
             }
         }
-        let inv: Vec<C> = s.iter().map(|s| s.recip()).collect();
-        let log_s: Vec<C> = s.iter().map(|s| s.ln()).collect();
+        let inv_s: Vec<T::Acc> = s.iter().map(|s| s.recip()).collect();
+        let log_s: Vec<T::Acc> = s.iter().map(|s| s.ln()).collect();
         for off in offsets {
             for (lane, &x) in xs[off..off + width].iter().enumerate() {
-                let (m, x) = (m[lane], load::<T, C>(x));
-                let y = match (m == C::neg_infinity(), log) {
-                    (true, true) => C::neg_infinity(),
-                    (true, false) => C::zero(),
-                    (false, true) => x - m - log_s[lane],
-                    (false, false) => (x - m).exp() * inv[lane],
-                };
+                let y = normalise(x.to_acc(), m[lane], inv_s[lane], log_s[lane], log);
                 // SAFETY: element `lane` of the run belongs to group `g0 + lane`, owned here.
-                unsafe { ys.add(off + lane).write(store(y)) };
+                unsafe { ys.add(off + lane).write(T::from_acc(y)) };
             }
         }
     }
@@ -323,7 +335,11 @@ mod cuda {
             let d = divisor.max(1) as u64;
             let shift = 64 - (d - 1).leading_zeros() as u64; // ceil(log2(d))
             let multiplier = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
-            Self { divisor: d as u32, multiplier, shift: shift as u32 }
+            Self {
+                divisor: d as u32,
+                multiplier,
+                shift: shift as u32,
+            }
         }
     }
 
@@ -420,7 +436,11 @@ mod cuda {
         // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
         // of the plan for this shape.
         if chunks == 1 {
-            let kernel = Kernel::load(dev, Module::Softmax, &kernel_name::<T>(&format!("{prefix}_fused")))?;
+            let kernel = Kernel::load(
+                dev,
+                Module::Softmax,
+                &kernel_name::<T>(&format!("{prefix}_fused")),
+            )?;
             return unsafe {
                 kernel.launch(cfg, |args| {
                     args.arg(xs).arg(ys).arg(&layout).arg(&chunk_len);
@@ -434,10 +454,18 @@ mod cuda {
                 args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
             })?;
         }
-        let finish = Kernel::load(dev, Module::Softmax, &kernel_name::<T>(&format!("{prefix}_finish")))?;
+        let finish = Kernel::load(
+            dev,
+            Module::Softmax,
+            &kernel_name::<T>(&format!("{prefix}_finish")),
+        )?;
         unsafe {
             finish.launch(cfg, |args| {
-                args.arg(xs).arg(ys).arg(&partials).arg(&layout).arg(&chunk_len);
+                args.arg(xs)
+                    .arg(ys)
+                    .arg(&partials)
+                    .arg(&layout)
+                    .arg(&chunk_len);
             })
         }
     }

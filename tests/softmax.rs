@@ -56,22 +56,42 @@ fn check(xs: &Tensor, dims: &[usize], what: &str) -> Result<()> {
     let x = to_f64(xs)?;
     let tol = tolerance(xs.dtype()).max(1e-5) * 4.0;
     for log in [false, true] {
-        let ys = if log { log_softmax_dims(xs, dims)? } else { softmax_dims(xs, dims)? };
+        let ys = if log {
+            log_softmax_dims(xs, dims)?
+        } else {
+            softmax_dims(xs, dims)?
+        };
         assert_eq!(ys.dims(), xs.dims());
         assert_eq!(ys.dtype(), xs.dtype());
         let expected = reference(&x, xs.dims(), dims, log);
-        assert_close(&to_f64(&ys)?, &expected, tol, &format!("{what} dims {dims:?} log={log} {:?}", xs.dtype()));
+        assert_close(
+            &to_f64(&ys)?,
+            &expected,
+            tol,
+            &format!("{what} dims {dims:?} log={log} {:?}", xs.dtype()),
+        );
     }
     Ok(())
 }
 
 fn subsets(rank: usize) -> Vec<Vec<usize>> {
-    (1u32..(1 << rank)).map(|m| (0..rank).filter(|d| m & (1 << d) != 0).collect()).collect()
+    (1u32..(1 << rank))
+        .map(|m| (0..rank).filter(|d| m & (1 << d) != 0).collect())
+        .collect()
 }
 
 #[test]
 fn every_subset_of_dims_ranks_1_to_4() {
-    let shapes: &[&[usize]] = &[&[1], &[7], &[3, 257], &[1, 5], &[2, 3, 5], &[4, 1, 7], &[2, 3, 1, 5], &[3, 2, 5, 7]];
+    let shapes: &[&[usize]] = &[
+        &[1],
+        &[7],
+        &[3, 257],
+        &[1, 5],
+        &[2, 3, 5],
+        &[4, 1, 7],
+        &[2, 3, 1, 5],
+        &[3, 2, 5, 7],
+    ];
     for_each_device(|dev| {
         let mut salt = 0;
         for dtype in float_dtypes(dev) {
@@ -92,7 +112,15 @@ fn ranks_5_and_6_and_reordered_dims() {
     for_each_device(|dev| {
         for dtype in float_dtypes(dev) {
             let xs = rand_tensor(&[2, 3, 4, 5, 6], 3.0, dtype, dev, 77)?;
-            for dims in [vec![1, 3], vec![3, 1], vec![0, 2, 4], vec![4], vec![0], vec![4, 3, 2, 1, 0], vec![0, 1, 3, 4]] {
+            for dims in [
+                vec![1, 3],
+                vec![3, 1],
+                vec![0, 2, 4],
+                vec![4],
+                vec![0],
+                vec![4, 3, 2, 1, 0],
+                vec![0, 1, 3, 4],
+            ] {
                 check(&xs, &dims, "rank 5")?;
             }
             let xs = rand_tensor(&[2, 1, 3, 2, 5, 3], 3.0, dtype, dev, 78)?;
@@ -109,15 +137,39 @@ fn large_groups_split_across_blocks_and_many_tiny_groups() {
     for_each_device(|dev| {
         for dtype in [DType::F32, DType::BF16] {
             // Row-like groups of 160000 elements, three of them (chunked on the GPU).
-            check(&rand_tensor(&[4, 3, 40000], 4.0, dtype, dev, 81)?, &[0, 2], "huge rows")?;
+            check(
+                &rand_tensor(&[4, 3, 40000], 4.0, dtype, dev, 81)?,
+                &[0, 2],
+                "huge rows",
+            )?;
             // Column-like groups of 100000 elements, three lanes.
-            check(&rand_tensor(&[100000, 3], 4.0, dtype, dev, 82)?, &[0], "huge columns")?;
+            check(
+                &rand_tensor(&[100000, 3], 4.0, dtype, dev, 82)?,
+                &[0],
+                "huge columns",
+            )?;
             // Whole-tensor softmax.
-            check(&rand_tensor(&[37, 1031], 4.0, dtype, dev, 83)?, &[0, 1], "all dims")?;
+            check(
+                &rand_tensor(&[37, 1031], 4.0, dtype, dev, 83)?,
+                &[0, 1],
+                "all dims",
+            )?;
             // Many tiny groups and groups of one element.
-            check(&rand_tensor(&[5000, 3], 4.0, dtype, dev, 84)?, &[1], "tiny rows")?;
-            check(&rand_tensor(&[3, 5000], 4.0, dtype, dev, 85)?, &[0], "tiny columns")?;
-            check(&rand_tensor(&[64, 1, 9], 4.0, dtype, dev, 86)?, &[1], "one-element groups")?;
+            check(
+                &rand_tensor(&[5000, 3], 4.0, dtype, dev, 84)?,
+                &[1],
+                "tiny rows",
+            )?;
+            check(
+                &rand_tensor(&[3, 5000], 4.0, dtype, dev, 85)?,
+                &[0],
+                "tiny columns",
+            )?;
+            check(
+                &rand_tensor(&[64, 1, 9], 4.0, dtype, dev, 86)?,
+                &[1],
+                "one-element groups",
+            )?;
         }
         Ok(())
     })
@@ -139,12 +191,21 @@ fn special_values_large_inf_and_nan() {
             for v in host[50..75].iter_mut() {
                 *v = f64::NEG_INFINITY;
             }
-            let xs = Tensor::from_vec(host, (6, 50), &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?;
+            let xs = Tensor::from_vec(host, (6, 50), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)?;
             check(&xs, &[1], "masked and NaN rows")?;
             let ys = to_f64(&softmax_dims(&xs, &[1])?)?;
-            assert!(ys[100..150].iter().all(|&v| v == 0.0), "fully masked row gives zeros");
+            assert!(
+                ys[100..150].iter().all(|&v| v == 0.0),
+                "fully masked row gives zeros"
+            );
             assert!(ys[200..250].iter().all(|v| v.is_nan()), "NaN row is NaN");
-            assert!(ys[..100].iter().chain(&ys[150..200]).chain(&ys[250..]).all(|v| v.is_finite()));
+            assert!(ys[..100]
+                .iter()
+                .chain(&ys[150..200])
+                .chain(&ys[250..])
+                .all(|v| v.is_finite()));
             // Column-mode groups with the same specials.
             check(&xs.t()?.contiguous()?, &[0], "masked and NaN columns")?;
         }
@@ -180,7 +241,11 @@ fn matches_candle_composite_and_its_gradients() {
                 for log in [false, true] {
                     let xs = Var::from_tensor(&x0)?;
                     let w = rand_tensor(&[3, 4, 5, 6], 1.0, dtype, dev, 112)?;
-                    let ours = if log { log_softmax_dims(&xs, &dims)? } else { softmax_dims(&xs, &dims)? };
+                    let ours = if log {
+                        log_softmax_dims(&xs, &dims)?
+                    } else {
+                        softmax_dims(&xs, &dims)?
+                    };
                     let mut max = xs.as_tensor().clone();
                     for &d in &dims {
                         max = max.max_keepdim(d)?;
@@ -190,13 +255,25 @@ fn matches_candle_composite_and_its_gradients() {
                     for &d in &dims {
                         sum = sum.sum_keepdim(d)?;
                     }
-                    let theirs = if log { shifted.broadcast_sub(&sum.log()?)? } else { shifted.exp()?.broadcast_div(&sum)? };
+                    let theirs = if log {
+                        shifted.broadcast_sub(&sum.log()?)?
+                    } else {
+                        shifted.exp()?.broadcast_div(&sum)?
+                    };
                     let tol = tolerance(dtype).max(1e-5) * 8.0;
                     let what = format!("{dtype:?} dims {dims:?} log={log}");
-                    assert_close(&to_f64(&ours)?, &to_f64(&theirs)?, tol, &format!("forward {what}"));
+                    assert_close(
+                        &to_f64(&ours)?,
+                        &to_f64(&theirs)?,
+                        tol,
+                        &format!("forward {what}"),
+                    );
                     let g_ours = (ours * &w)?.sum_all()?.backward()?;
                     let g_theirs = (theirs * &w)?.sum_all()?.backward()?;
-                    let (a, b) = (g_ours.get(&xs).expect("grad"), g_theirs.get(&xs).expect("grad"));
+                    let (a, b) = (
+                        g_ours.get(&xs).expect("grad"),
+                        g_theirs.get(&xs).expect("grad"),
+                    );
                     assert_close(&to_f64(a)?, &to_f64(b)?, tol * 4.0, &format!("grad {what}"));
                 }
             }
@@ -204,9 +281,19 @@ fn matches_candle_composite_and_its_gradients() {
         // The last-dim case against candle_nn's own softmax.
         let xs = rand_tensor(&[5, 33], 3.0, DType::F32, dev, 113)?;
         let theirs = candle_nn::ops::softmax_last_dim(&xs)?;
-        assert_close(&to_f64(&softmax_dims(&xs, &[1])?)?, &to_f64(&theirs)?, 1e-6, "vs softmax_last_dim");
+        assert_close(
+            &to_f64(&softmax_dims(&xs, &[1])?)?,
+            &to_f64(&theirs)?,
+            1e-6,
+            "vs softmax_last_dim",
+        );
         let theirs = candle_nn::ops::log_softmax(&xs, D::Minus1)?;
-        assert_close(&to_f64(&log_softmax_dims(&xs, &[1])?)?, &to_f64(&theirs)?, 1e-5, "vs log_softmax");
+        assert_close(
+            &to_f64(&log_softmax_dims(&xs, &[1])?)?,
+            &to_f64(&theirs)?,
+            1e-5,
+            "vs log_softmax",
+        );
         Ok(())
     })
 }
@@ -215,14 +302,25 @@ fn matches_candle_composite_and_its_gradients() {
 fn bad_input_is_a_clear_error() {
     for_each_device(|dev| {
         let xs = rand_tensor(&[2, 3], 1.0, DType::F32, dev, 121)?;
-        for (dims, needle) in [(vec![], "empty"), (vec![1, 1], "twice"), (vec![2], "out of range"), (vec![0, 5], "out of range")] {
+        for (dims, needle) in [
+            (vec![], "empty"),
+            (vec![1, 1], "twice"),
+            (vec![2], "out of range"),
+            (vec![0, 5], "out of range"),
+        ] {
             let err = softmax_dims(&xs, &dims).expect_err("bad dims");
             assert!(err.to_string().contains(needle), "{err}");
         }
         let scalar = Tensor::new(1f32, dev)?;
-        assert!(softmax_dims(&scalar, &[0]).unwrap_err().to_string().contains("rank-0"));
+        assert!(softmax_dims(&scalar, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("rank-0"));
         let ints = Tensor::zeros((2, 3), DType::U32, dev)?;
-        assert!(log_softmax_dims(&ints, &[1]).unwrap_err().to_string().contains("unsupported dtype"));
+        assert!(log_softmax_dims(&ints, &[1])
+            .unwrap_err()
+            .to_string()
+            .contains("unsupported dtype"));
         // Empty tensors are fine.
         let empty = Tensor::zeros((0, 4), DType::F32, dev)?;
         assert_eq!(softmax_dims(&empty, &[1])?.dims(), [0, 4]);
