@@ -166,6 +166,13 @@ mod cpu {
     unsafe impl<T> Send for OutPtr<T> {}
     unsafe impl<T> Sync for OutPtr<T> {}
 
+    impl<T> OutPtr<T> {
+        /// Taking `self` makes closures capture the whole (Send) wrapper, not the raw field.
+        fn get(self) -> *mut T {
+            self.0
+        }
+    }
+
     /// Max of a group and whether it holds a NaN (kept apart so the max loop vectorises).
     fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
         let (mut m, mut nan) = (C::neg_infinity(), false);
@@ -209,11 +216,10 @@ mod cpu {
                 let outer = groups / lanes;
                 let chunks = lanes.div_ceil(LANE_CHUNK);
                 (0..outer * chunks).into_par_iter().for_each(|task| {
-                    let out = out;
                     let (g_outer, chunk) = (task / chunks, task % chunks);
                     let first = chunk * LANE_CHUNK;
                     let width = LANE_CHUNK.min(lanes - first);
-                    column_group(xs, out.0, plan, g_outer * lanes + first, width, log)
+                    column_group(xs, out.get(), plan, g_outer * lanes + first, width, log)
                 });
             }
         }
