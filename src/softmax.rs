@@ -209,8 +209,7 @@ mod cpu {
                 (0..groups)
                     .into_par_iter()
                     .for_each_init(Vec::new, |buf, g| {
-                        let out = out;
-                        row_group(xs, out.0, plan, g, log, buf)
+                        row_group(xs, out.get(), plan, g, log, buf)
                     });
             } else {
                 let outer = groups / lanes;
