@@ -100,12 +100,16 @@ impl ReducePlan {
             .filter(|(r, _)| !r)
             .map(|(_, b)| *b)
             .collect();
-        let reduced: Vec<Block> = blocks
+        let mut reduced: Vec<Block> = blocks
             .iter()
             .rev()
             .filter(|(r, _)| *r)
             .map(|(_, b)| *b)
             .collect();
+        if reduced.is_empty() {
+            // Every reduced dim has size 1 and merged into a kept block: one-element groups.
+            reduced.push(Block { size: 1, stride: 1 });
+        }
         if kept.len() > MAX_BLOCKS || reduced.len() > MAX_BLOCKS {
             bail!(
                 "reduce over dims: dims {dims:?} of shape {shape:?} alternate more than {MAX_BLOCKS} times"

@@ -57,9 +57,32 @@ __device__ __forceinline__ uint64_t group_base(const ReduceLayout& L, uint32_t g
     return mixed_radix(outer, L.n_kept, L.kept_div, L.kept_stride) + (g - outer * L.lanes.divisor);
 }
 
-__device__ __forceinline__ uint64_t element_offset(const ReduceLayout& L, uint32_t j) {
-    return mixed_radix(j, L.n_reduced, L.reduced_div, L.reduced_stride);
-}
+// Walks the elements j, j + step, j + 2 * step, ... of a group. The innermost reduced block
+// (size inner, stride inner_stride) is advanced by addition; the outer reduced blocks are
+// decomposed again only when the walk leaves a run of the innermost block, so the common case
+// costs an add and a compare per element instead of a mixed-radix decomposition.
+struct Cursor {
+    uint32_t j, i;
+    uint64_t offset;
+    __device__ __forceinline__ void seek(const ReduceLayout& L, uint32_t to) {
+        const uint32_t last = L.n_reduced - 1;
+        const FastDiv& inner = L.reduced_div[last];
+        const uint32_t run = inner.div(to);
+        j = to;
+        i = to - run * inner.divisor;
+        offset = mixed_radix(run, last, L.reduced_div, L.reduced_stride) + i * L.reduced_stride[last];
+    }
+    __device__ __forceinline__ void advance(const ReduceLayout& L, uint32_t step) {
+        const uint32_t last = L.n_reduced - 1;
+        i += step;
+        if (i < L.reduced_div[last].divisor) {
+            j += step;
+            offset += static_cast<uint64_t>(step) * L.reduced_stride[last];
+        } else {
+            seek(L, j + step);
+        }
+    }
+};
 
 // Running (max, sum of exp(x - max)); NaN anywhere makes the pair NaN, -inf entries add nothing.
 struct Online {
@@ -87,23 +110,29 @@ struct Online {
     }
 };
 
-// Folds the LY pairs of each x column into row 0 and returns the column's result to every thread.
+// Folds the LY pairs of each x column and returns the column's result to every thread: first
+// across the y values that share a warp (shuffles), then across warps (shared memory).
 __device__ __forceinline__ Online reduce_over_y(Online acc) {
-    extern __shared__ float2 pairs[];  // [LY][LX]
-    const uint32_t lx = blockDim.x, idx = threadIdx.y * lx + threadIdx.x;
-    pairs[idx] = make_float2(acc.m, acc.s);
-    __syncthreads();
-    for (uint32_t half = blockDim.y / 2; half > 0; half /= 2) {
-        if (threadIdx.y < half) {
-            const float2 other = pairs[idx + half * lx];
-            Online mine{pairs[idx].x, pairs[idx].y};
-            mine.merge(other.x, other.y);
-            pairs[idx] = make_float2(mine.m, mine.s);
-        }
-        __syncthreads();
+    extern __shared__ float2 pairs[];  // at most LX * LY = blockDim entries
+    const uint32_t lx = blockDim.x, ly = blockDim.y;
+    if (ly == 1) return acc;
+    const uint32_t tid = threadIdx.y * lx + threadIdx.x, warp = tid / 32, lane = tid % 32;
+    for (uint32_t off = 16; off >= lx; off /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, acc.m, off);
+        const float s2 = __shfl_xor_sync(0xffffffffu, acc.s, off);
+        acc.merge(m2, s2);
     }
-    const float2 total = pairs[threadIdx.x];
-    return Online{total.x, total.y};
+    // After the shuffles, lane x (< lx) of each warp holds that warp's pair for column x.
+    const bool by_warp = lx < 32;
+    const uint32_t entries = by_warp ? blockDim.x * blockDim.y / 32 : ly;
+    if (!by_warp || lane < lx) pairs[(by_warp ? warp : threadIdx.y) * lx + threadIdx.x] = make_float2(acc.m, acc.s);
+    __syncthreads();
+    Online total;
+    for (uint32_t e = 0; e < entries; ++e) {
+        const float2 p = pairs[e * lx + threadIdx.x];
+        total.merge(p.x, p.y);
+    }
+    return total;
 }
 
 template <bool LOG>
@@ -127,21 +156,72 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
 
     Online acc;
     float cache[CACHE];
+    const uint32_t first = j_begin + threadIdx.y;
+    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHE * step;
+    Cursor cur;
     if constexpr (MODE != Mode::Finish) {
-        if (valid) {
-            uint32_t j = j_begin + threadIdx.y;
+        if (valid && first < j_end) {
+            cur.seek(L, first);
+            if (cached) {
+                // The whole group fits in registers: max first, then exp once per element.
+                float m = -CUDART_INF_F;
+                bool nan = false;
 #pragma unroll
-            for (int k = 0; k < CACHE; ++k, j += step) {
-                if (j < j_end) {
-                    cache[k] = to_float(xg[element_offset(L, j)]);
-                    acc.push(cache[k]);
+                for (int k = 0; k < CACHE; ++k) {
+                    if (cur.j < j_end) {
+                        cache[k] = to_float(xg[cur.offset]);
+                        m = fmaxf(m, cache[k]);
+                        nan |= isnan(cache[k]);
+                        if (k + 1 < CACHE) cur.advance(L, step);
+                    }
                 }
+                float s = 0.f;
+                if (m != -CUDART_INF_F) {
+#pragma unroll
+                    for (int k = 0; k < CACHE; ++k) {
+                        if (first + k * step < j_end) {
+                            const float e = __expf(cache[k] - m);
+                            if (!LOG) cache[k] = e;  // log-softmax keeps x: exp may underflow
+                            s += e;
+                        }
+                    }
+                }
+                acc.m = nan ? CUDART_NAN_F : m;
+                acc.s = nan ? CUDART_NAN_F : s;
+            } else {
+                for (; cur.j < j_end; cur.advance(L, step)) acc.push(to_float(xg[cur.offset]));
             }
-            for (; j < j_end; j += step) acc.push(to_float(xg[element_offset(L, j)]));
         }
+        const Online local = acc;
         acc = reduce_over_y(acc);
         if constexpr (MODE == Mode::Partial) {
             if (valid && threadIdx.y == 0) partials[static_cast<uint64_t>(g) * gridDim.y + blockIdx.y] = make_float2(acc.m, acc.s);
+            return;
+        }
+        if (!valid || first >= j_end) return;
+        if (cached) {
+            // softmax: cache[k] holds exp(x - this thread's max), rescaled to the group's max;
+            // log-softmax: cache[k] holds x. A thread whose entries are all -inf outputs 0 / -inf.
+            T* yg = y + base;
+            const bool masked = acc.m == -CUDART_INF_F || local.m == -CUDART_INF_F;
+            const float scale = masked ? 0.f : __expf(local.m - acc.m) / acc.s;
+            const float log_total = acc.m + __logf(acc.s);
+            cur.seek(L, first);
+#pragma unroll
+            for (int k = 0; k < CACHE; ++k) {
+                if (cur.j < j_end) {
+                    float out;
+                    if (isnan(acc.m)) {
+                        out = CUDART_NAN_F;
+                    } else if (LOG) {
+                        out = masked ? -CUDART_INF_F : cache[k] - log_total;
+                    } else {
+                        out = cache[k] * scale;
+                    }
+                    yg[cur.offset] = from_float<T>(out);
+                    if (k + 1 < CACHE) cur.advance(L, step);
+                }
+            }
             return;
         }
     } else {
@@ -151,21 +231,13 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
                 acc.merge(p.x, p.y);
             }
         }
+        if (!valid || first >= j_end) return;
     }
-    if (!valid) return;
 
     const float inv_s = 1.f / acc.s, log_s = __logf(acc.s);
     T* yg = y + base;
-    uint32_t j = j_begin + threadIdx.y;
-    if constexpr (MODE == Mode::Fused) {
-#pragma unroll
-        for (int k = 0; k < CACHE; ++k, j += step) {
-            if (j < j_end) yg[element_offset(L, j)] = from_float<T>(normalise<LOG>(cache[k], acc, inv_s, log_s));
-        }
-    }
-    for (; j < j_end; j += step) {
-        const uint64_t off = element_offset(L, j);
-        yg[off] = from_float<T>(normalise<LOG>(to_float(xg[off]), acc, inv_s, log_s));
+    for (cur.seek(L, first); cur.j < j_end; cur.advance(L, step)) {
+        yg[cur.offset] = from_float<T>(normalise<LOG>(to_float(xg[cur.offset]), acc, inv_s, log_s));
     }
 }
 
