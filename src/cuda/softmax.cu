@@ -143,101 +143,128 @@ __device__ __forceinline__ float normalise(float v, const Online& acc, float inv
 
 enum class Mode { Fused, Partial, Finish };
 
+// Loads up to BATCH elements along the cursor before any is used, so that many loads are in
+// flight per thread (a load consumed right away stalls the warp for the full memory latency).
+// Returns how many were loaded.
+template <int BATCH, typename T>
+__device__ __forceinline__ int load_batch(const T* xg, const ReduceLayout& L, Cursor& cur, uint32_t j_end,
+                                          uint32_t step, T (&raw)[BATCH]) {
+    int n = 0;
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+        if (cur.j < j_end) {
+            raw[k] = xg[cur.offset];
+            n = k + 1;
+            cur.advance(L, step);
+        }
+    }
+    return n;
+}
+
 template <typename T, bool LOG, Mode MODE>
 __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2* __restrict__ partials,
                              const ReduceLayout& L, uint32_t chunk_len) {
+    constexpr int BATCH = 8;
     const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
     const bool valid = g < L.num_groups;
     const uint32_t j_begin = blockIdx.y * chunk_len;
     const uint32_t j_end = min(L.group_size, j_begin + chunk_len);
     const uint32_t step = blockDim.y;
+    const uint32_t first = j_begin + threadIdx.y;
+    const bool active = valid && first < j_end;
     const uint64_t base = valid ? group_base(L, g) : 0;
     const T* xg = x + base;
+    T* yg = y + base;
+    // Fused blocks whose group fits in CACHE values per thread read it once, from registers.
+    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHE * step;
 
     Online acc;
-    float cache[CACHE];
-    const uint32_t first = j_begin + threadIdx.y;
-    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHE * step;
-    Cursor cur;
+    T raw[CACHE];
+    float local_m = -CUDART_INF_F;
     if constexpr (MODE != Mode::Finish) {
-        if (valid && first < j_end) {
+        if (active) {
+            Cursor cur;
             cur.seek(L, first);
             if (cached) {
-                // The whole group fits in registers: max first, then exp once per element.
-                float m = -CUDART_INF_F;
+                const int n = load_batch<CACHE>(xg, L, cur, j_end, step, raw);
                 bool nan = false;
 #pragma unroll
                 for (int k = 0; k < CACHE; ++k) {
-                    if (cur.j < j_end) {
-                        cache[k] = to_float(xg[cur.offset]);
-                        m = fmaxf(m, cache[k]);
-                        nan |= isnan(cache[k]);
-                        if (k + 1 < CACHE) cur.advance(L, step);
+                    if (k < n) {
+                        const float v = to_float(raw[k]);
+                        local_m = fmaxf(local_m, v);
+                        nan |= isnan(v);
                     }
                 }
                 float s = 0.f;
-                if (m != -CUDART_INF_F) {
+                if (local_m != -CUDART_INF_F) {
 #pragma unroll
-                    for (int k = 0; k < CACHE; ++k) {
-                        if (first + k * step < j_end) {
-                            const float e = __expf(cache[k] - m);
-                            if (!LOG) cache[k] = e;  // log-softmax keeps x: exp may underflow
-                            s += e;
-                        }
-                    }
+                    for (int k = 0; k < CACHE; ++k)
+                        if (k < n) s += __expf(to_float(raw[k]) - local_m);
                 }
-                acc.m = nan ? CUDART_NAN_F : m;
+                acc.m = nan ? CUDART_NAN_F : local_m;
                 acc.s = nan ? CUDART_NAN_F : s;
             } else {
-                for (; cur.j < j_end; cur.advance(L, step)) acc.push(to_float(xg[cur.offset]));
-            }
-        }
-        const Online local = acc;
-        acc = reduce_over_y(acc);
-        if constexpr (MODE == Mode::Partial) {
-            if (valid && threadIdx.y == 0) partials[static_cast<uint64_t>(g) * gridDim.y + blockIdx.y] = make_float2(acc.m, acc.s);
-            return;
-        }
-        if (!valid || first >= j_end) return;
-        if (cached) {
-            // softmax: cache[k] holds exp(x - this thread's max), rescaled to the group's max;
-            // log-softmax: cache[k] holds x. A thread whose entries are all -inf outputs 0 / -inf.
-            T* yg = y + base;
-            const bool masked = acc.m == -CUDART_INF_F || local.m == -CUDART_INF_F;
-            const float scale = masked ? 0.f : __expf(local.m - acc.m) / acc.s;
-            const float log_total = acc.m + __logf(acc.s);
-            cur.seek(L, first);
+                while (cur.j < j_end) {
+                    T batch[BATCH];
+                    const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
 #pragma unroll
-            for (int k = 0; k < CACHE; ++k) {
-                if (cur.j < j_end) {
-                    float out;
-                    if (isnan(acc.m)) {
-                        out = CUDART_NAN_F;
-                    } else if (LOG) {
-                        out = masked ? -CUDART_INF_F : cache[k] - log_total;
-                    } else {
-                        out = cache[k] * scale;
-                    }
-                    yg[cur.offset] = from_float<T>(out);
-                    if (k + 1 < CACHE) cur.advance(L, step);
+                    for (int k = 0; k < BATCH; ++k)
+                        if (k < n) acc.push(to_float(batch[k]));
                 }
             }
+        }
+        acc = reduce_over_y(acc);
+        if constexpr (MODE == Mode::Partial) {
+            if (valid && threadIdx.y == 0)
+                partials[static_cast<uint64_t>(g) * gridDim.y + blockIdx.y] = make_float2(acc.m, acc.s);
             return;
         }
-    } else {
-        if (valid) {
-            for (uint32_t c = 0; c < gridDim.y; ++c) {
-                const float2 p = partials[static_cast<uint64_t>(g) * gridDim.y + c];
-                acc.merge(p.x, p.y);
-            }
+    } else if (valid) {
+        for (uint32_t c = 0; c < gridDim.y; ++c) {
+            const float2 p = partials[static_cast<uint64_t>(g) * gridDim.y + c];
+            acc.merge(p.x, p.y);
         }
-        if (!valid || first >= j_end) return;
     }
+    if (!active) return;
 
     const float inv_s = 1.f / acc.s, log_s = __logf(acc.s);
-    T* yg = y + base;
-    for (cur.seek(L, first); cur.j < j_end; cur.advance(L, step)) {
-        yg[cur.offset] = from_float<T>(normalise<LOG>(to_float(xg[cur.offset]), acc, inv_s, log_s));
+    Cursor cur;
+    cur.seek(L, first);
+    if (cached) {
+        // Rescale exp(x - this thread's max) to the group's max: one exp per element in total.
+        const bool thread_masked = local_m == -CUDART_INF_F || acc.m == -CUDART_INF_F;
+        const float scale = thread_masked ? 0.f : __expf(local_m - acc.m) * inv_s;
+#pragma unroll
+        for (int k = 0; k < CACHE; ++k) {
+            if (cur.j < j_end) {
+                const float v = to_float(raw[k]);
+                float out;
+                if (isnan(acc.m)) {
+                    out = CUDART_NAN_F;
+                } else if (LOG) {
+                    // (x - m) first: exact for nearby values, so large x lose nothing.
+                    out = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                } else {
+                    out = thread_masked ? 0.f : __expf(v - local_m) * scale;
+                }
+                yg[cur.offset] = from_float<T>(out);
+                cur.advance(L, step);
+            }
+        }
+        return;
+    }
+    while (cur.j < j_end) {
+        Cursor store = cur;
+        T batch[BATCH];
+        const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            if (k < n) {
+                yg[store.offset] = from_float<T>(normalise<LOG>(to_float(batch[k]), acc, inv_s, log_s));
+                store.advance(L, step);
+            }
+        }
     }
 }
 
