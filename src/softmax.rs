@@ -414,7 +414,10 @@ mod cuda {
             bail!("softmax_dims: groups of 2^31 or more elements, or 2^31 or more groups, are not supported on CUDA");
         }
         let (lx, ly) = if lanes > 1 {
-            (32, THREADS / 32)
+            // Column-like groups: enough y threads that a group fits in their registers (the
+            // kernel's CACHE = 16 values each), at most 8 so a warp still reads 4+ adjacent lanes.
+            let ly = size.div_ceil(16).next_power_of_two().min(8);
+            (THREADS / ly, ly)
         } else {
             let ly = size.next_power_of_two().min(THREADS);
             (THREADS / ly, ly)

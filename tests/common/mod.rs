@@ -23,8 +23,10 @@ pub fn devices() -> Vec<Device> {
                 Some(dev)
             }
             Err(e) => {
+                let reason = e.to_string();
+                let reason = reason.lines().next().unwrap_or("unknown error");
                 say(&format!(
-                    "note: no usable CUDA device ({e}): GPU tests SKIPPED, CPU only"
+                    "note: no usable CUDA device ({reason}): GPU tests SKIPPED, CPU only"
                 ));
                 None
             }
