@@ -1,4 +1,4 @@
-//! Runs every implemented op once, on CUDA device 0 when the crate is built with `cuda` and a GPU
+//! Runs every implemented op (bias_add, bias_add_, softmax_dims, log_softmax_dims) once, on CUDA device 0 when the crate is built with `cuda` and a GPU
 //! is present, on the CPU otherwise, checks each result against plain candle ops and prints what
 //! it did.
 //!
@@ -64,6 +64,28 @@ fn main() -> Result<()> {
         acts.dims(),
         b.dims(),
         max_abs_diff(&acts, &before.broadcast_add(&b)?)?
+    );
+
+    // softmax_dims / log_softmax_dims: normalise over dims 0 and 2 together, in one op.
+    let scores = Var::from_tensor(&Tensor::randn(0f32, 1., (4, 16, 128), &dev)?)?;
+    let probs = candle_fastops::softmax_dims(&scores, &[0, 2])?;
+    let max = scores.max_keepdim(0)?.max_keepdim(2)?;
+    let exp = scores.broadcast_sub(&max)?.exp()?;
+    let composite = exp.broadcast_div(&exp.sum_keepdim(0)?.sum_keepdim(2)?)?;
+    let sums = probs.sum_keepdim(0)?.sum_keepdim(2)?.flatten_all()?;
+    println!(
+        "softmax_dims scores {:?} over dims [0, 2]: {} groups summing to 1 (max |sum - 1| = {:.2e}), max |diff| vs composite = {:.2e}",
+        scores.dims(),
+        sums.dim(0)?,
+        max_abs_diff(&sums, &sums.ones_like()?)?,
+        max_abs_diff(&probs, &composite)?
+    );
+    let log_probs = candle_fastops::log_softmax_dims(&scores, &[0, 2])?;
+    let grads = log_probs.narrow(1, 0, 1)?.sum_all()?.backward()?;
+    println!(
+        "log_softmax_dims max |diff| vs log(softmax_dims) = {:.2e}, gradient {:?}",
+        max_abs_diff(&log_probs, &probs.log()?)?,
+        grads.get(&scores).expect("scores have a gradient").dims()
     );
     Ok(())
 }

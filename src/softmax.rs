@@ -173,11 +173,12 @@ mod cpu {
         }
     }
 
-    /// Max of a group and whether it holds a NaN (kept apart so the max loop vectorises).
+    /// Max of a group, NaN if it holds one. The compare-select max and the separate NaN flag
+    /// compile to packed max / unordered-compare instructions.
     fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
         let (mut m, mut nan) = (C::neg_infinity(), false);
         for v in values {
-            m = m.max(v);
+            m = if v > m { v } else { m };
             nan |= v.is_nan();
         }
         if nan {
@@ -259,14 +260,21 @@ mod cpu {
         let (inv_s, log_s) = (s.recip(), s.ln());
         let masked = m == <T::Acc as Float>::neg_infinity();
         for (r, off) in offsets.enumerate() {
-            for (i, &v) in buf[r * run..(r + 1) * run].iter().enumerate() {
-                let y = match (masked, log) {
-                    (true, _) => normalise(v, m, inv_s, log_s, log),
-                    (false, true) => v - m - log_s,
-                    (false, false) => v * inv_s,
-                };
-                // SAFETY: `off + i` is an element of group `g`, written by this task only.
-                unsafe { ys.add(off + i).write(T::from_acc(y)) };
+            // SAFETY: `off..off + run` are elements of group `g`, written by this task only.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(ys.add(off) as *mut std::mem::MaybeUninit<T>, run)
+            };
+            let vals = &buf[r * run..(r + 1) * run];
+            match (masked, log) {
+                (true, _) => out.iter_mut().zip(vals).for_each(|(o, &v)| {
+                    o.write(T::from_acc(normalise(v, m, inv_s, log_s, log)));
+                }),
+                (false, true) => out.iter_mut().zip(vals).for_each(|(o, &v)| {
+                    o.write(T::from_acc(v - m - log_s));
+                }),
+                (false, false) => out.iter_mut().zip(vals).for_each(|(o, &v)| {
+                    o.write(T::from_acc(v * inv_s));
+                }),
             }
         }
     }
