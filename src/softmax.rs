@@ -130,7 +130,7 @@ impl CustomOp1 for SoftmaxDims {
         let out = crate::dispatch::with_float_cuda!(self.op_name(), &storage.slice, |xs| {
             let xs = xs.slice(start..start + n);
             let ys = crate::cuda::alloc_output(dev, n)?;
-            cuda::launch_softmax(dev, &self.plan, self.log, &xs, &ys)?;
+            cuda::launch_softmax(dev, &self.plan, self.log, &xs, start, &ys)?;
             candle_core::CudaStorage::wrap_cuda_slice(ys, dev.clone())
         });
         Ok((out, layout.shape().clone()))
@@ -385,9 +385,16 @@ mod cuda {
     }
 
     impl ReduceLayout {
-        fn new(plan: &ReducePlan) -> Self {
+        /// The plan's layout with group elements counted in units of `width` adjacent elements
+        /// (the innermost reduced block must be contiguous and a multiple of `width` long).
+        fn new(plan: &ReducePlan, width: usize) -> Self {
             let (kept_div, kept_stride) = blocks_to_arrays(plan.kept_blocks());
-            let (reduced_div, reduced_stride) = blocks_to_arrays(plan.reduced_blocks());
+            let mut reduced = plan.reduced_blocks().to_vec();
+            if let Some(inner) = reduced.last_mut() {
+                inner.size /= width;
+                inner.stride *= width;
+            }
+            let (reduced_div, reduced_stride) = blocks_to_arrays(&reduced);
             Self {
                 n_kept: plan.kept_blocks().len() as u32,
                 n_reduced: plan.reduced_blocks().len() as u32,
@@ -397,7 +404,7 @@ mod cuda {
                 reduced_stride,
                 lanes: FastDiv::new(plan.lanes()),
                 num_groups: plan.num_groups() as u32,
-                group_size: plan.group_size() as u32,
+                group_size: (plan.group_size() / width) as u32,
             }
         }
     }
@@ -407,20 +414,38 @@ mod cuda {
     /// Fewest elements a thread should stream per chunk before splitting groups pays.
     const MIN_ELEMS_PER_THREAD: usize = 64;
 
+    /// `xs_start` is the element offset of `xs` in its allocation, for the alignment check of
+    /// the 16-byte path.
     pub(super) fn launch_softmax<T: WithDType>(
         dev: &CudaDevice,
         plan: &ReducePlan,
         log: bool,
         xs: &CudaView<'_, T>,
+        xs_start: usize,
         ys: &CudaSlice<T>,
     ) -> Result<()> {
-        let (groups, size, lanes) = (plan.num_groups(), plan.group_size(), plan.lanes());
-        if groups == 0 || size == 0 {
+        let (groups, lanes) = (plan.num_groups(), plan.lanes());
+        if groups == 0 || plan.group_size() == 0 {
             return Ok(());
         }
-        if groups >= 1 << 31 || size >= 1 << 31 {
+        if groups >= 1 << 31 || plan.group_size() >= 1 << 31 {
             bail!("softmax_dims: groups of 2^31 or more elements, or 2^31 or more groups, are not supported on CUDA");
         }
+        // Row-like groups whose innermost run is contiguous, a whole number of 16-byte vectors
+        // long and 16-byte aligned move 16 bytes per access.
+        let elem = std::mem::size_of::<T>();
+        let vec_width = 16 / elem;
+        let inner = plan
+            .reduced_blocks()
+            .last()
+            .copied()
+            .unwrap_or(Block { size: 1, stride: 1 });
+        let vectorised = lanes == 1
+            && inner.stride == 1
+            && inner.size.is_multiple_of(vec_width)
+            && (xs_start * elem).is_multiple_of(16);
+        let width = if vectorised { vec_width } else { 1 };
+        let size = plan.group_size() / width;
         let (lx, ly) = if lanes > 1 {
             // Column-like groups: enough y threads that a group fits in their registers (the
             // kernel's CACHE = 16 values each), at most 8 so a warp still reads 4+ adjacent lanes.
@@ -445,9 +470,10 @@ mod cuda {
             block_dim: (lx as u32, ly as u32, 1),
             shared_mem_bytes: (lx * ly * 8) as u32,
         };
-        let layout = ReduceLayout::new(plan);
+        let layout = ReduceLayout::new(plan, width);
         let chunk_len = chunk_len as u32;
         let prefix = if log { "log_softmax" } else { "softmax" };
+        let variant = if vectorised { "_vec" } else { "" };
         // SAFETY (all launches): arguments match the kernels' signatures; every access is
         // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
         // of the plan for this shape.
@@ -455,7 +481,7 @@ mod cuda {
             let kernel = Kernel::load(
                 dev,
                 Module::Softmax,
-                &kernel_name::<T>(&format!("{prefix}_fused")),
+                &kernel_name::<T>(&format!("{prefix}_fused{variant}")),
             )?;
             return unsafe {
                 kernel.launch(cfg, |args| {
@@ -464,7 +490,11 @@ mod cuda {
             };
         }
         let partials = alloc_output::<f32>(dev, 2 * groups * chunks)?;
-        let partial = Kernel::load(dev, Module::Softmax, &kernel_name::<T>("softmax_partial"))?;
+        let partial = Kernel::load(
+            dev,
+            Module::Softmax,
+            &kernel_name::<T>(&format!("softmax_partial{variant}")),
+        )?;
         unsafe {
             partial.launch(cfg, |args| {
                 args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
@@ -473,7 +503,7 @@ mod cuda {
         let finish = Kernel::load(
             dev,
             Module::Softmax,
-            &kernel_name::<T>(&format!("{prefix}_finish")),
+            &kernel_name::<T>(&format!("{prefix}_finish{variant}")),
         )?;
         unsafe {
             finish.launch(cfg, |args| {

@@ -214,6 +214,40 @@ fn special_values_large_inf_and_nan() {
 }
 
 #[test]
+fn vector_path_aligned_and_misaligned() {
+    // Runs that are whole 16-byte vectors take the vectorised kernels on the GPU; a storage
+    // offset that breaks the alignment falls back to the element-wise ones.
+    for_each_device(|dev| {
+        for dtype in float_dtypes(dev) {
+            check(
+                &rand_tensor(&[37, 1024], 4.0, dtype, dev, 131)?,
+                &[1],
+                "vector rows",
+            )?;
+            check(
+                &rand_tensor(&[6, 64, 40], 4.0, dtype, dev, 132)?,
+                &[0, 2],
+                "vector runs",
+            )?;
+            check(
+                &rand_tensor(&[3, 8, 5000], 4.0, dtype, dev, 133)?,
+                &[0, 2],
+                "vector chunks",
+            )?;
+            let parent = rand_tensor(&[10, 64], 4.0, dtype, dev, 134)?;
+            check(&parent.narrow(0, 1, 8)?, &[1], "aligned offset rows")?;
+            let flat = rand_tensor(&[1 + 8 * 64], 4.0, dtype, dev, 135)?;
+            check(
+                &flat.narrow(0, 1, 8 * 64)?.reshape((8, 64))?,
+                &[1],
+                "misaligned offset rows",
+            )?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
 fn non_contiguous_inputs() {
     for_each_device(|dev| {
         for dtype in float_dtypes(dev) {

@@ -143,17 +143,24 @@ __device__ __forceinline__ float normalise(float v, const Online& acc, float inv
 
 enum class Mode { Fused, Partial, Finish };
 
-// Loads up to BATCH elements along the cursor before any is used, so that many loads are in
-// flight per thread (a load consumed right away stalls the warp for the full memory latency).
-// Returns how many were loaded.
-template <int BATCH, typename T>
+// W adjacent elements moved as one access: a 16-byte vector when the group's innermost reduced
+// block is contiguous and aligned (the host then describes the layout in units of W elements),
+// a single element otherwise.
+template <typename T, int W> struct alignas(sizeof(T) * W) Unit {
+    T v[W];
+};
+
+// Loads up to BATCH units along the cursor before any is used, so that many loads are in flight
+// per thread (a load consumed right away stalls the warp for the full memory latency). Returns
+// how many were loaded.
+template <int BATCH, typename T, int W>
 __device__ __forceinline__ int load_batch(const T* xg, const ReduceLayout& L, Cursor& cur, uint32_t j_end,
-                                          uint32_t step, T (&raw)[BATCH]) {
+                                          uint32_t step, Unit<T, W> (&raw)[BATCH]) {
     int n = 0;
 #pragma unroll
     for (int k = 0; k < BATCH; ++k) {
         if (cur.j < j_end) {
-            raw[k] = xg[cur.offset];
+            raw[k] = *reinterpret_cast<const Unit<T, W>*>(xg + cur.offset);
             n = k + 1;
             cur.advance(L, step);
         }
@@ -161,10 +168,14 @@ __device__ __forceinline__ int load_batch(const T* xg, const ReduceLayout& L, Cu
     return n;
 }
 
-template <typename T, bool LOG, Mode MODE>
+// Group indices and element indices j below count units of W elements (cur.offset is in
+// elements).
+template <typename T, int W, bool LOG, Mode MODE>
 __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2* __restrict__ partials,
                              const ReduceLayout& L, uint32_t chunk_len) {
-    constexpr int BATCH = 8;
+    using U = Unit<T, W>;
+    constexpr int BATCH = W == 1 ? 8 : 4;
+    constexpr int CACHED_UNITS = CACHE / W;
     const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
     const bool valid = g < L.num_groups;
     const uint32_t j_begin = blockIdx.y * chunk_len;
@@ -176,41 +187,50 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     const T* xg = x + base;
     T* yg = y + base;
     // Fused blocks whose group fits in CACHE values per thread read it once, from registers.
-    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHE * step;
+    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHED_UNITS * step;
 
     Online acc;
-    T raw[CACHE];
+    U raw[CACHED_UNITS];
     float local_m = -CUDART_INF_F;
     if constexpr (MODE != Mode::Finish) {
         if (active) {
             Cursor cur;
             cur.seek(L, first);
             if (cached) {
-                const int n = load_batch<CACHE>(xg, L, cur, j_end, step, raw);
+                const int n = load_batch<CACHED_UNITS>(xg, L, cur, j_end, step, raw);
                 bool nan = false;
 #pragma unroll
-                for (int k = 0; k < CACHE; ++k) {
+                for (int k = 0; k < CACHED_UNITS; ++k) {
                     if (k < n) {
-                        const float v = to_float(raw[k]);
-                        local_m = fmaxf(local_m, v);
-                        nan |= isnan(v);
+#pragma unroll
+                        for (int w = 0; w < W; ++w) {
+                            const float v = to_float(raw[k].v[w]);
+                            local_m = fmaxf(local_m, v);
+                            nan |= isnan(v);
+                        }
                     }
                 }
                 float s = 0.f;
                 if (local_m != -CUDART_INF_F) {
 #pragma unroll
-                    for (int k = 0; k < CACHE; ++k)
-                        if (k < n) s += __expf(to_float(raw[k]) - local_m);
+                    for (int k = 0; k < CACHED_UNITS; ++k)
+                        if (k < n) {
+#pragma unroll
+                            for (int w = 0; w < W; ++w) s += __expf(to_float(raw[k].v[w]) - local_m);
+                        }
                 }
                 acc.m = nan ? CUDART_NAN_F : local_m;
                 acc.s = nan ? CUDART_NAN_F : s;
             } else {
                 while (cur.j < j_end) {
-                    T batch[BATCH];
+                    U batch[BATCH];
                     const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
 #pragma unroll
                     for (int k = 0; k < BATCH; ++k)
-                        if (k < n) acc.push(to_float(batch[k]));
+                        if (k < n) {
+#pragma unroll
+                            for (int w = 0; w < W; ++w) acc.push(to_float(batch[k].v[w]));
+                        }
                 }
             }
         }
@@ -232,23 +252,28 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     Cursor cur;
     cur.seek(L, first);
     if (cached) {
-        // Rescale exp(x - this thread's max) to the group's max: one exp per element in total.
+        // Rescale exp(x - this thread's max) to the group's max.
         const bool thread_masked = local_m == -CUDART_INF_F || acc.m == -CUDART_INF_F;
         const float scale = thread_masked ? 0.f : __expf(local_m - acc.m) * inv_s;
 #pragma unroll
-        for (int k = 0; k < CACHE; ++k) {
+        for (int k = 0; k < CACHED_UNITS; ++k) {
             if (cur.j < j_end) {
-                const float v = to_float(raw[k]);
-                float out;
-                if (isnan(acc.m)) {
-                    out = CUDART_NAN_F;
-                } else if (LOG) {
-                    // (x - m) first: exact for nearby values, so large x lose nothing.
-                    out = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
-                } else {
-                    out = thread_masked ? 0.f : __expf(v - local_m) * scale;
+                U out;
+#pragma unroll
+                for (int w = 0; w < W; ++w) {
+                    const float v = to_float(raw[k].v[w]);
+                    float o;
+                    if (isnan(acc.m)) {
+                        o = CUDART_NAN_F;
+                    } else if (LOG) {
+                        // (x - m) first: exact for nearby values, so large x lose nothing.
+                        o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                    } else {
+                        o = thread_masked ? 0.f : __expf(v - local_m) * scale;
+                    }
+                    out.v[w] = from_float<T>(o);
                 }
-                yg[cur.offset] = from_float<T>(out);
+                *reinterpret_cast<U*>(yg + cur.offset) = out;
                 cur.advance(L, step);
             }
         }
@@ -256,12 +281,16 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     }
     while (cur.j < j_end) {
         Cursor store = cur;
-        T batch[BATCH];
+        U batch[BATCH];
         const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             if (k < n) {
-                yg[store.offset] = from_float<T>(normalise<LOG>(to_float(batch[k]), acc, inv_s, log_s));
+                U out;
+#pragma unroll
+                for (int w = 0; w < W; ++w)
+                    out.v[w] = from_float<T>(normalise<LOG>(to_float(batch[k].v[w]), acc, inv_s, log_s));
+                *reinterpret_cast<U*>(yg + store.offset) = out;
                 store.advance(L, step);
             }
         }
@@ -270,26 +299,32 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
 
 }  // namespace
 
-#define SOFTMAX_KERNELS(T, SUFFIX)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) softmax_fused_##SUFFIX(                             \
-        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
-        softmax_dims<T, false, Mode::Fused>(x, y, nullptr, layout, chunk_len);                             \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_fused_##SUFFIX(                         \
-        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
-        softmax_dims<T, true, Mode::Fused>(x, y, nullptr, layout, chunk_len);                              \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) softmax_partial_##SUFFIX(                           \
-        const T* x, float2* partials, ReduceLayout layout, uint32_t chunk_len) {                           \
-        softmax_dims<T, false, Mode::Partial>(x, nullptr, partials, layout, chunk_len);                    \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) softmax_finish_##SUFFIX(                            \
-        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
-        softmax_dims<T, false, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len);     \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_finish_##SUFFIX(                        \
-        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
-        softmax_dims<T, true, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len);      \
+// Every kernel in two widths: `name_<dtype>` moves one element per access, `name_vec_<dtype>`
+// one 16-byte vector (launched only when the host has described the layout in vector units).
+#define SOFTMAX_WIDTH(T, SUFFIX, VARIANT, W)                                                            \
+    extern "C" __global__ void __launch_bounds__(256) softmax_fused##VARIANT##SUFFIX(                   \
+        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                     \
+        softmax_dims<T, W, false, Mode::Fused>(x, y, nullptr, layout, chunk_len);                        \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) log_softmax_fused##VARIANT##SUFFIX(               \
+        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                     \
+        softmax_dims<T, W, true, Mode::Fused>(x, y, nullptr, layout, chunk_len);                         \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) softmax_partial##VARIANT##SUFFIX(                 \
+        const T* x, float2* partials, ReduceLayout layout, uint32_t chunk_len) {                         \
+        softmax_dims<T, W, false, Mode::Partial>(x, nullptr, partials, layout, chunk_len);               \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) softmax_finish##VARIANT##SUFFIX(                  \
+        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {             \
+        softmax_dims<T, W, false, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len); \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) log_softmax_finish##VARIANT##SUFFIX(              \
+        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {             \
+        softmax_dims<T, W, true, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len);  \
     }
+
+#define SOFTMAX_KERNELS(T, SUFFIX)         \
+    SOFTMAX_WIDTH(T, SUFFIX, _, 1)         \
+    SOFTMAX_WIDTH(T, SUFFIX, _vec_, (16 / sizeof(T)))
 
 FASTOPS_FLOAT_KERNELS(SOFTMAX_KERNELS)
