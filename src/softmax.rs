@@ -409,6 +409,19 @@ mod cuda {
         }
     }
 
+    /// How a kernel thread moves data (see `softmax.cu`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Form {
+        Scalar,
+        /// 16-byte vectors of `n` elements along one group's contiguous run.
+        Vec(usize),
+        /// `LANE_WIDTH` adjacent groups' elements per access.
+        Lanes,
+    }
+
+    /// Groups per access in the "lanes" form (`_lanes_` kernels are built with W = 4).
+    const LANE_WIDTH: usize = 4;
+
     /// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
     const THREADS: usize = 256;
     /// Fewest elements a thread should stream per chunk before splitting groups pays.
@@ -432,7 +445,8 @@ mod cuda {
             bail!("softmax_dims: groups of 2^31 or more elements, or 2^31 or more groups, are not supported on CUDA");
         }
         // Row-like groups whose innermost run is contiguous, a whole number of 16-byte vectors
-        // long and 16-byte aligned move 16 bytes per access.
+        // long and 16-byte aligned move 16 bytes per access ("vec"); column-like groups whose
+        // lane count is a multiple of 4 move 4 adjacent groups' elements per access ("lanes").
         let elem = std::mem::size_of::<T>();
         let vec_width = 16 / elem;
         let inner = plan
@@ -440,22 +454,41 @@ mod cuda {
             .last()
             .copied()
             .unwrap_or(Block { size: 1, stride: 1 });
-        let vectorised = lanes == 1
+        let form = if lanes == 1
             && inner.stride == 1
             && inner.size.is_multiple_of(vec_width)
-            && (xs_start * elem).is_multiple_of(16);
-        let width = if vectorised { vec_width } else { 1 };
-        let size = plan.group_size() / width;
+            && (xs_start * elem).is_multiple_of(16)
+        {
+            Form::Vec(vec_width)
+        } else if lanes > 1
+            && lanes.is_multiple_of(LANE_WIDTH)
+            && xs_start.is_multiple_of(LANE_WIDTH)
+        {
+            Form::Lanes
+        } else {
+            Form::Scalar
+        };
+        // Units the kernel counts: elements of a group (j) and groups (x).
+        let (size, group_units) = match form {
+            Form::Vec(w) => (plan.group_size() / w, groups),
+            Form::Lanes => (plan.group_size(), groups / LANE_WIDTH),
+            Form::Scalar => (plan.group_size(), groups),
+        };
         let (lx, ly) = if lanes > 1 {
             // Column-like groups: enough y threads that a group fits in their registers (the
-            // kernel's CACHE = 16 values each), at most 8 so a warp still reads 4+ adjacent lanes.
-            let ly = size.div_ceil(16).next_power_of_two().min(8);
+            // kernel's CACHE = 16 values each), at most 8 so a warp still reads whole sectors.
+            let per_thread = if form == Form::Lanes {
+                16 / LANE_WIDTH
+            } else {
+                16
+            };
+            let ly = size.div_ceil(per_thread).next_power_of_two().min(8);
             (THREADS / ly, ly)
         } else {
             let ly = size.next_power_of_two().min(THREADS);
             (THREADS / ly, ly)
         };
-        let blocks_x = groups.div_ceil(lx);
+        let blocks_x = group_units.div_ceil(lx);
         let target_blocks = 4 * sm_count(dev)? as usize;
         let mut chunks = 1;
         if blocks_x < target_blocks {
@@ -470,10 +503,17 @@ mod cuda {
             block_dim: (lx as u32, ly as u32, 1),
             shared_mem_bytes: (lx * ly * 8) as u32,
         };
-        let layout = ReduceLayout::new(plan, width);
+        let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
+        if form == Form::Lanes {
+            layout.num_groups = group_units as u32;
+        }
         let chunk_len = chunk_len as u32;
         let prefix = if log { "log_softmax" } else { "softmax" };
-        let variant = if vectorised { "_vec" } else { "" };
+        let variant = match form {
+            Form::Vec(_) => "_vec",
+            Form::Lanes => "_lanes",
+            Form::Scalar => "",
+        };
         // SAFETY (all launches): arguments match the kernels' signatures; every access is
         // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
         // of the plan for this shape.

@@ -248,6 +248,47 @@ fn vector_path_aligned_and_misaligned() {
 }
 
 #[test]
+fn lane_path_columns_of_four() {
+    // Column-like groups whose lane count is a multiple of 4 take the 4-groups-per-access
+    // kernels on the GPU (cached, streamed and chunked), with masked and NaN columns.
+    for_each_device(|dev| {
+        for dtype in float_dtypes(dev) {
+            check(
+                &rand_tensor(&[5, 8, 12], 4.0, dtype, dev, 141)?,
+                &[0],
+                "lanes cached",
+            )?;
+            check(
+                &rand_tensor(&[700, 96], 4.0, dtype, dev, 142)?,
+                &[0],
+                "lanes streamed",
+            )?;
+            check(
+                &rand_tensor(&[100000, 4], 4.0, dtype, dev, 143)?,
+                &[0],
+                "lanes chunked",
+            )?;
+            check(
+                &rand_tensor(&[2, 16, 3, 32, 8], 4.0, dtype, dev, 144)?,
+                &[1, 3],
+                "lanes two blocks",
+            )?;
+            let mut host = to_f64(&rand_tensor(&[50, 8], 2.0, DType::F32, dev, 145)?)?;
+            for r in 0..50 {
+                host[r * 8 + 2] = f64::NEG_INFINITY;
+            }
+            host[17 * 8 + 5] = f64::NAN;
+            host[3 * 8 + 6] = f64::NEG_INFINITY;
+            let xs = Tensor::from_vec(host, (50, 8), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)?;
+            check(&xs, &[0], "lanes masked and NaN columns")?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
 fn non_contiguous_inputs() {
     for_each_device(|dev| {
         for dtype in float_dtypes(dev) {

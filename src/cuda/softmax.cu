@@ -116,6 +116,7 @@ __device__ __forceinline__ Online reduce_over_y(Online acc) {
     extern __shared__ float2 pairs[];  // at most LX * LY = blockDim entries
     const uint32_t lx = blockDim.x, ly = blockDim.y;
     if (ly == 1) return acc;
+    __syncthreads();  // a previous call's readers are done with `pairs`
     const uint32_t tid = threadIdx.y * lx + threadIdx.x, warp = tid / 32, lane = tid % 32;
     for (uint32_t off = 16; off >= lx; off /= 2) {
         const float m2 = __shfl_xor_sync(0xffffffffu, acc.m, off);
@@ -168,12 +169,16 @@ __device__ __forceinline__ int load_batch(const T* xg, const ReduceLayout& L, Cu
     return n;
 }
 
-// Group indices and element indices j below count units of W elements (cur.offset is in
-// elements).
-template <typename T, int W, bool LOG, Mode MODE>
+// A thread moves units of W adjacent elements. With LANES false the W elements are W
+// consecutive elements of one group (its innermost reduced run is contiguous); with LANES true
+// they are element j of W adjacent groups (column-like groups, whose lanes are contiguous), and
+// the thread keeps one accumulator per group. Group index g and element index j count units;
+// cur.offset is in elements.
+template <typename T, int W, bool LANES, bool LOG, Mode MODE>
 __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2* __restrict__ partials,
                              const ReduceLayout& L, uint32_t chunk_len) {
     using U = Unit<T, W>;
+    constexpr int NA = LANES ? W : 1;  // accumulators per thread
     constexpr int BATCH = W == 1 ? 8 : 4;
     constexpr int CACHED_UNITS = CACHE / W;
     const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
@@ -183,44 +188,52 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     const uint32_t step = blockDim.y;
     const uint32_t first = j_begin + threadIdx.y;
     const bool active = valid && first < j_end;
-    const uint64_t base = valid ? group_base(L, g) : 0;
+    const uint64_t base = valid ? group_base(L, LANES ? g * W : g) : 0;
     const T* xg = x + base;
     T* yg = y + base;
     // Fused blocks whose group fits in CACHE values per thread read it once, from registers.
     const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHED_UNITS * step;
 
-    Online acc;
+    Online acc[NA];
     U raw[CACHED_UNITS];
-    float local_m = -CUDART_INF_F;
+    float local_m[NA];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) local_m[a] = -CUDART_INF_F;
     if constexpr (MODE != Mode::Finish) {
         if (active) {
             Cursor cur;
             cur.seek(L, first);
             if (cached) {
                 const int n = load_batch<CACHED_UNITS>(xg, L, cur, j_end, step, raw);
-                bool nan = false;
+                bool nan[NA] = {};
 #pragma unroll
                 for (int k = 0; k < CACHED_UNITS; ++k) {
                     if (k < n) {
 #pragma unroll
                         for (int w = 0; w < W; ++w) {
+                            const int a = LANES ? w : 0;
                             const float v = to_float(raw[k].v[w]);
-                            local_m = fmaxf(local_m, v);
-                            nan |= isnan(v);
+                            local_m[a] = fmaxf(local_m[a], v);
+                            nan[a] |= isnan(v);
                         }
                     }
                 }
-                float s = 0.f;
-                if (local_m != -CUDART_INF_F) {
+                float s[NA] = {};
 #pragma unroll
-                    for (int k = 0; k < CACHED_UNITS; ++k)
-                        if (k < n) {
+                for (int k = 0; k < CACHED_UNITS; ++k) {
+                    if (k < n) {
 #pragma unroll
-                            for (int w = 0; w < W; ++w) s += __expf(to_float(raw[k].v[w]) - local_m);
+                        for (int w = 0; w < W; ++w) {
+                            const int a = LANES ? w : 0;
+                            if (local_m[a] != -CUDART_INF_F) s[a] += __expf(to_float(raw[k].v[w]) - local_m[a]);
                         }
+                    }
                 }
-                acc.m = nan ? CUDART_NAN_F : local_m;
-                acc.s = nan ? CUDART_NAN_F : s;
+#pragma unroll
+                for (int a = 0; a < NA; ++a) {
+                    acc[a].m = nan[a] ? CUDART_NAN_F : local_m[a];
+                    acc[a].s = nan[a] ? CUDART_NAN_F : s[a];
+                }
             } else {
                 while (cur.j < j_end) {
                     U batch[BATCH];
@@ -229,47 +242,68 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
                     for (int k = 0; k < BATCH; ++k)
                         if (k < n) {
 #pragma unroll
-                            for (int w = 0; w < W; ++w) acc.push(to_float(batch[k].v[w]));
+                            for (int w = 0; w < W; ++w) acc[LANES ? w : 0].push(to_float(batch[k].v[w]));
                         }
                 }
             }
         }
-        acc = reduce_over_y(acc);
+#pragma unroll
+        for (int a = 0; a < NA; ++a) acc[a] = reduce_over_y(acc[a]);
         if constexpr (MODE == Mode::Partial) {
-            if (valid && threadIdx.y == 0)
-                partials[static_cast<uint64_t>(g) * gridDim.y + blockIdx.y] = make_float2(acc.m, acc.s);
+            if (valid && threadIdx.y == 0) {
+#pragma unroll
+                for (int a = 0; a < NA; ++a) {
+                    const uint64_t group = LANES ? static_cast<uint64_t>(g) * W + a : g;
+                    partials[group * gridDim.y + blockIdx.y] = make_float2(acc[a].m, acc[a].s);
+                }
+            }
             return;
         }
     } else if (valid) {
-        for (uint32_t c = 0; c < gridDim.y; ++c) {
-            const float2 p = partials[static_cast<uint64_t>(g) * gridDim.y + c];
-            acc.merge(p.x, p.y);
+#pragma unroll
+        for (int a = 0; a < NA; ++a) {
+            const uint64_t group = LANES ? static_cast<uint64_t>(g) * W + a : g;
+            for (uint32_t c = 0; c < gridDim.y; ++c) {
+                const float2 p = partials[group * gridDim.y + c];
+                acc[a].merge(p.x, p.y);
+            }
         }
     }
     if (!active) return;
 
-    const float inv_s = 1.f / acc.s, log_s = __logf(acc.s);
+    float inv_s[NA], log_s[NA];
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+        inv_s[a] = 1.f / acc[a].s;
+        log_s[a] = __logf(acc[a].s);
+    }
     Cursor cur;
     cur.seek(L, first);
     if (cached) {
         // Rescale exp(x - this thread's max) to the group's max.
-        const bool thread_masked = local_m == -CUDART_INF_F || acc.m == -CUDART_INF_F;
-        const float scale = thread_masked ? 0.f : __expf(local_m - acc.m) * inv_s;
+        bool thread_masked[NA];
+        float scale[NA];
+#pragma unroll
+        for (int a = 0; a < NA; ++a) {
+            thread_masked[a] = local_m[a] == -CUDART_INF_F || acc[a].m == -CUDART_INF_F;
+            scale[a] = thread_masked[a] ? 0.f : __expf(local_m[a] - acc[a].m) * inv_s[a];
+        }
 #pragma unroll
         for (int k = 0; k < CACHED_UNITS; ++k) {
             if (cur.j < j_end) {
                 U out;
 #pragma unroll
                 for (int w = 0; w < W; ++w) {
+                    const int a = LANES ? w : 0;
                     const float v = to_float(raw[k].v[w]);
                     float o;
-                    if (isnan(acc.m)) {
+                    if (isnan(acc[a].m)) {
                         o = CUDART_NAN_F;
                     } else if (LOG) {
                         // (x - m) first: exact for nearby values, so large x lose nothing.
-                        o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                        o = acc[a].m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc[a].m) - log_s[a];
                     } else {
-                        o = thread_masked ? 0.f : __expf(v - local_m) * scale;
+                        o = thread_masked[a] ? 0.f : __expf(v - local_m[a]) * scale[a];
                     }
                     out.v[w] = from_float<T>(o);
                 }
@@ -288,8 +322,10 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
             if (k < n) {
                 U out;
 #pragma unroll
-                for (int w = 0; w < W; ++w)
-                    out.v[w] = from_float<T>(normalise<LOG>(to_float(batch[k].v[w]), acc, inv_s, log_s));
+                for (int w = 0; w < W; ++w) {
+                    const int a = LANES ? w : 0;
+                    out.v[w] = from_float<T>(normalise<LOG>(to_float(batch[k].v[w]), acc[a], inv_s[a], log_s[a]));
+                }
                 *reinterpret_cast<U*>(yg + store.offset) = out;
                 store.advance(L, step);
             }
@@ -299,32 +335,36 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
 
 }  // namespace
 
-// Every kernel in two widths: `name_<dtype>` moves one element per access, `name_vec_<dtype>`
-// one 16-byte vector (launched only when the host has described the layout in vector units).
-#define SOFTMAX_WIDTH(T, SUFFIX, VARIANT, W)                                                            \
-    extern "C" __global__ void __launch_bounds__(256) softmax_fused##VARIANT##SUFFIX(                   \
-        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                     \
-        softmax_dims<T, W, false, Mode::Fused>(x, y, nullptr, layout, chunk_len);                        \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_fused##VARIANT##SUFFIX(               \
-        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                     \
-        softmax_dims<T, W, true, Mode::Fused>(x, y, nullptr, layout, chunk_len);                         \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) softmax_partial##VARIANT##SUFFIX(                 \
-        const T* x, float2* partials, ReduceLayout layout, uint32_t chunk_len) {                         \
-        softmax_dims<T, W, false, Mode::Partial>(x, nullptr, partials, layout, chunk_len);               \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) softmax_finish##VARIANT##SUFFIX(                  \
-        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {             \
-        softmax_dims<T, W, false, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len); \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_finish##VARIANT##SUFFIX(              \
-        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {             \
-        softmax_dims<T, W, true, Mode::Finish>(x, y, const_cast<float2*>(partials), layout, chunk_len);  \
+// Every kernel in three forms: `name_<dtype>` moves one element per access; `name_vec_<dtype>`
+// a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning 4 adjacent
+// groups (launched only when the host has described the layout in such units).
+#define SOFTMAX_FORM(T, SUFFIX, VARIANT, W, LANES)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) softmax_fused##VARIANT##SUFFIX(                     \
+        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
+        softmax_dims<T, W, LANES, false, Mode::Fused>(x, y, nullptr, layout, chunk_len);                   \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) log_softmax_fused##VARIANT##SUFFIX(                 \
+        const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
+        softmax_dims<T, W, LANES, true, Mode::Fused>(x, y, nullptr, layout, chunk_len);                    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) softmax_partial##VARIANT##SUFFIX(                   \
+        const T* x, float2* partials, ReduceLayout layout, uint32_t chunk_len) {                           \
+        softmax_dims<T, W, LANES, false, Mode::Partial>(x, nullptr, partials, layout, chunk_len);          \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) softmax_finish##VARIANT##SUFFIX(                    \
+        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
+        softmax_dims<T, W, LANES, false, Mode::Finish>(x, y, const_cast<float2*>(partials), layout,        \
+                                                       chunk_len);                                         \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) log_softmax_finish##VARIANT##SUFFIX(                \
+        const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
+        softmax_dims<T, W, LANES, true, Mode::Finish>(x, y, const_cast<float2*>(partials), layout,         \
+                                                      chunk_len);                                          \
     }
 
-#define SOFTMAX_KERNELS(T, SUFFIX)         \
-    SOFTMAX_WIDTH(T, SUFFIX, _, 1)         \
-    SOFTMAX_WIDTH(T, SUFFIX, _vec_, (16 / sizeof(T)))
+#define SOFTMAX_KERNELS(T, SUFFIX)                          \
+    SOFTMAX_FORM(T, SUFFIX, _, 1, false)                    \
+    SOFTMAX_FORM(T, SUFFIX, _vec_, (16 / sizeof(T)), false) \
+    SOFTMAX_FORM(T, SUFFIX, _lanes_, 4, true)
 
 FASTOPS_FLOAT_KERNELS(SOFTMAX_KERNELS)
