@@ -249,14 +249,15 @@ fn vector_path_aligned_and_misaligned() {
 
 #[test]
 fn lane_path_columns_of_four() {
-    // Column-like groups whose lane count is a multiple of 4 take the 4-groups-per-access
-    // kernels on the GPU (cached, streamed and chunked), with masked and NaN columns.
+    // Column-like groups of more than 128 elements whose lane count is a multiple of 4 take the
+    // 4-groups-per-access kernels on the GPU (streamed and chunked), with masked and NaN
+    // columns; smaller ones the scalar kernels.
     for_each_device(|dev| {
         for dtype in float_dtypes(dev) {
             check(
                 &rand_tensor(&[5, 8, 12], 4.0, dtype, dev, 141)?,
                 &[0],
-                "lanes cached",
+                "small columns (scalar)",
             )?;
             check(
                 &rand_tensor(&[700, 96], 4.0, dtype, dev, 142)?,
@@ -273,13 +274,13 @@ fn lane_path_columns_of_four() {
                 &[1, 3],
                 "lanes two blocks",
             )?;
-            let mut host = to_f64(&rand_tensor(&[50, 8], 2.0, DType::F32, dev, 145)?)?;
-            for r in 0..50 {
+            let mut host = to_f64(&rand_tensor(&[150, 8], 2.0, DType::F32, dev, 145)?)?;
+            for r in 0..150 {
                 host[r * 8 + 2] = f64::NEG_INFINITY;
             }
             host[17 * 8 + 5] = f64::NAN;
             host[3 * 8 + 6] = f64::NEG_INFINITY;
-            let xs = Tensor::from_vec(host, (50, 8), &Device::Cpu)?
+            let xs = Tensor::from_vec(host, (150, 8), &Device::Cpu)?
                 .to_dtype(dtype)?
                 .to_device(dev)?;
             check(&xs, &[0], "lanes masked and NaN columns")?;
