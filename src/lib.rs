@@ -19,6 +19,13 @@
 //! candle_fastops::bias_add_(&xs, &bias, 1)?; // in place, allocates nothing
 //! let diff = (ys - &xs)?.abs()?.max_all()?.to_scalar::<f32>()?;
 //! assert!(diff < 1e-6);
+//!
+//! // Softmax over dims 1 and 3 together (each [16, 4] slice sums to 1), and its log form.
+//! let probs = candle_fastops::softmax_dims(&xs, &[1, 3])?;
+//! let log_probs = candle_fastops::log_softmax_dims(&xs, &[3, 1])?;
+//! // The plan behind them, reusable for a (shape, dims) pair: 8 * 4 groups of 16 * 4.
+//! let plan = candle_fastops::ReducePlan::new(xs.dims(), &[1, 3])?;
+//! assert_eq!((plan.num_groups(), plan.group_size()), (32, 64));
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!

@@ -17,7 +17,10 @@ use std::sync::Arc;
 ///   A NaN in a group makes that group NaN and no other.
 /// * Any layout (a non-contiguous input is copied first). Autograd:
 ///   `grad_x = y * (g - sum_over_dims(g * y))`.
-/// * Errors: rank 0, empty `dims`, duplicate or out-of-range dims, unsupported dtype.
+/// * Errors: rank 0, empty `dims`, duplicate or out-of-range dims, unsupported dtype; on CUDA
+///   also groups of 2^31 or more elements or 2^31 or more groups (offsets themselves are 64-bit).
+/// * The backward pass is composed from candle ops (a multiply, a sum over `dims`, a broadcast);
+///   only the forward pass has its own kernels.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
