@@ -39,6 +39,7 @@ mod dispatch;
 mod poison;
 mod reduce_plan;
 mod softmax;
+mod sparse_linear;
 
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]
@@ -47,3 +48,6 @@ pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;
 pub use softmax::{log_softmax_dims, softmax_dims};
+pub use sparse_linear::{
+    check_sparse_indices, sparse_linear, sparse_linear_pair, FeatureTransformer,
+};

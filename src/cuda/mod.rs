@@ -16,6 +16,7 @@ mod ptx {
 pub(crate) enum Module {
     BiasAdd,
     Softmax,
+    SparseLinear,
 }
 
 impl Module {
@@ -23,6 +24,7 @@ impl Module {
         match self {
             Module::BiasAdd => "candle_fastops_bias_add",
             Module::Softmax => "candle_fastops_softmax",
+            Module::SparseLinear => "candle_fastops_sparse_linear",
         }
     }
 
@@ -30,6 +32,7 @@ impl Module {
         match self {
             Module::BiasAdd => ptx::BIAS_ADD,
             Module::Softmax => ptx::SOFTMAX,
+            Module::SparseLinear => ptx::SPARSE_LINEAR,
         }
     }
 }
@@ -90,6 +93,88 @@ pub(crate) fn sm_count(dev: &CudaDevice) -> Result<u32> {
         .attribute(driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
     Ok(count.max(1) as u32)
+}
+
+/// Size of the device's L2 cache in bytes, for sizing the working set of gather kernels.
+pub(crate) fn l2_bytes(dev: &CudaDevice) -> Result<usize> {
+    let bytes = dev
+        .cuda_stream()
+        .context()
+        .attribute(driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .w()?;
+    Ok(bytes.max(0) as usize)
+}
+
+/// A word of pinned host memory that kernels can write through its device address: how a kernel
+/// reports bad input (an out-of-range index) without the host synchronising on every call. The
+/// host reads it on a later call, once the reporting kernel has finished; it is never freed (one
+/// word per device for the life of the process).
+pub(crate) struct ErrorFlag {
+    host: *mut u32,
+    device: u64,
+}
+
+// SAFETY: the word is only read and written through volatile accesses, as a plain flag.
+unsafe impl Send for ErrorFlag {}
+unsafe impl Sync for ErrorFlag {}
+
+impl ErrorFlag {
+    /// The flag of `dev`'s context, allocated on first use. `None` when the driver cannot map
+    /// host memory into the device (errors then go unreported; bad indices are still skipped).
+    pub(crate) fn of(dev: &CudaDevice) -> Result<Option<&'static ErrorFlag>> {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        static FLAGS: std::sync::OnceLock<Mutex<HashMap<usize, Option<&'static ErrorFlag>>>> =
+            std::sync::OnceLock::new();
+        let stream = dev.cuda_stream();
+        let ctx = stream.context();
+        let key = ctx.cu_ctx() as usize;
+        let mut flags = FLAGS.get_or_init(Default::default).lock().map_err(|_| {
+            candle_core::Error::Msg("fastops: error-flag registry poisoned".into())
+        })?;
+        if let Some(flag) = flags.get(&key) {
+            return Ok(*flag);
+        }
+        ctx.bind_to_thread().w()?;
+        let flag = Self::alloc().map(|flag| &*Box::leak(Box::new(flag)));
+        flags.insert(key, flag);
+        Ok(flag)
+    }
+
+    fn alloc() -> Option<Self> {
+        use driver::sys;
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: a 4-byte pinned allocation in the bound context; its device address is queried
+        // for that same allocation, and the word is initialised before any kernel sees it.
+        unsafe {
+            let host = driver::result::malloc_host(4, flags).ok()? as *mut u32;
+            let mut device = 0;
+            let status = sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0);
+            if status != sys::CUresult::CUDA_SUCCESS {
+                let _ = driver::result::free_host(host.cast());
+                return None;
+            }
+            host.write_volatile(0);
+            Some(Self { host, device })
+        }
+    }
+
+    /// The address kernels write 1 to.
+    pub(crate) fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// Whether a finished kernel raised the flag since the last call; clears it.
+    pub(crate) fn take(&self) -> bool {
+        // SAFETY: `host` is a live pinned word owned by this flag.
+        unsafe {
+            let raised = self.host.read_volatile() != 0;
+            if raised {
+                self.host.write_volatile(0);
+            }
+            raised
+        }
+    }
 }
 
 /// A 1-D launch of `threads`-wide blocks covering `work` items with a grid-stride loop: at most

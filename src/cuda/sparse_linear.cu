@@ -1,0 +1,351 @@
+// Sparse feature transformer (the NNUE input layer), forward and backward.
+//
+//   out[b, half(b, p), :] = bias + sum_k value_p[b, k] * weight[index_p[b, k], :]
+//
+// for each position b and perspective p (one, or two sharing the weights; `half` puts the side
+// to move first). A warp owns one (position, perspective) task at a time and a stripe of
+// columns: each lane keeps LOADS groups of E adjacent columns in registers, so any output size
+// works (a prime size just leaves lanes idle in the last stripe) and nothing lives in shared
+// memory. The grid is persistent and walks the stripes in order, so the weight rows of the
+// stripe in use (num_inputs x stripe columns, chosen by the host to fit in half the L2) stay
+// resident while every position gathers from them. Each step of the feature loop issues UNROLL
+// row loads before using any, since the gather is bound by L2 latency, not arithmetic.
+//
+// Indices: a row's features end at its first -1; anything after it is ignored. An index < -1
+// or >= num_inputs is never dereferenced: it contributes nothing and raises the host-mapped
+// error flag, which the host checks on its next call (no synchronisation when inputs are valid).
+#include "common.cuh"
+
+using namespace fastops;
+
+namespace {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+
+// Mirrors `SparseShape` in src/sparse_linear.rs (repr(C)).
+struct SparseShape {
+    uint32_t* error_flag;   // host-mapped word; null: errors are not reported
+    uint64_t batch;
+    uint64_t num_inputs;
+    uint64_t out_dim;
+    uint64_t index_stride;  // elements between consecutive rows of indices / values
+    uint64_t weight_stride; // elements between consecutive weight rows
+    uint32_t max_active;
+    uint32_t perspectives;  // 1 or 2
+};
+
+// The shape plus the feature tensors, as the kernels receive them.
+struct SparseBatch {
+    const int32_t* indices[2];
+    const float* values[2];     // null: every value is 1
+    const uint8_t* side_first;  // [batch]; null: perspective p goes to half p
+    uint32_t* error_flag;
+    uint64_t batch, num_inputs, out_dim, index_stride, weight_stride;
+    uint32_t max_active, perspectives;
+    __device__ __forceinline__ SparseBatch(const SparseShape& sh, const int32_t* idx0, const int32_t* idx1,
+                                           const float* val0, const float* val1, const uint8_t* side)
+        : indices{idx0, idx1}, values{val0, val1}, side_first(side), error_flag(sh.error_flag), batch(sh.batch),
+          num_inputs(sh.num_inputs), out_dim(sh.out_dim), index_stride(sh.index_stride),
+          weight_stride(sh.weight_stride), max_active(sh.max_active), perspectives(sh.perspectives) {}
+};
+
+// The (position, perspective) of task t and the half of the output row it fills.
+struct Task {
+    uint64_t position;
+    int perspective;
+    int half;
+    __device__ __forceinline__ Task(const SparseBatch& s, uint64_t t) {
+        if (s.perspectives == 2) {
+            position = t >> 1;
+            perspective = static_cast<int>(t & 1);
+            half = (s.side_first == nullptr || s.side_first[position] != 0) ? perspective : 1 - perspective;
+        } else {
+            position = t;
+            perspective = 0;
+            half = 0;
+        }
+    }
+};
+
+// Up to 32 features of a row, one per lane: lane j holds feature base + j. `count` (warp-uniform)
+// is how many are active before the row's first -1; `last` is set when the row ends in this chunk.
+// A bad index gets index -2 (skipped) and raises the error flag.
+struct FeatureChunk {
+    int32_t index;
+    float value;
+    int count;
+    bool last;
+};
+
+__device__ __forceinline__ FeatureChunk load_features(const SparseBatch& s, const Task& task, uint32_t base,
+                                                      int lane) {
+    const uint32_t k = base + lane;
+    const uint64_t at = task.position * s.index_stride + k;
+    int32_t index = -1;
+    float value = 1.0f;
+    if (k < s.max_active) {
+        // Selected, not indexed: a dynamic index into the kernel parameter would copy it to the stack.
+        index = (task.perspective ? s.indices[1] : s.indices[0])[at];
+        const float* values = task.perspective ? s.values[1] : s.values[0];
+        if (values != nullptr) value = values[at];
+    }
+    const unsigned ends = __ballot_sync(FULL_MASK, index == -1);
+    FeatureChunk chunk;
+    chunk.count = ends ? __ffs(ends) - 1 : 32;
+    chunk.last = ends != 0 || base + 32 >= s.max_active;
+    const bool bad = lane < chunk.count && (index < -1 || static_cast<uint64_t>(static_cast<int64_t>(index)) >= s.num_inputs);
+    if (bad) {
+        if (s.error_flag != nullptr) *reinterpret_cast<volatile uint32_t*>(s.error_flag) = 1u;
+        index = -2;
+    }
+    chunk.index = index;
+    chunk.value = value;
+    return chunk;
+}
+
+// E adjacent columns moved as one unit: a 16-byte vector, or one element for the scalar form
+// (output sizes that are not a multiple of the vector width, or misaligned buffers).
+template <typename T, bool VEC> struct Group;
+
+template <typename T> struct Group<T, true> {
+    static constexpr int E = vec_width<T>();
+    using Raw = uint4;
+    static __device__ __forceinline__ Raw zero() { return make_uint4(0, 0, 0, 0); }
+    static __device__ __forceinline__ Raw load(const T* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+    static __device__ __forceinline__ void unpack(Raw raw, float (&f)[E]) {
+        Vec16<T> v;
+        v.raw = raw;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const float2 pair = to_float2(&v.lanes[e]);
+            f[e] = pair.x;
+            f[e + 1] = pair.y;
+        }
+    }
+    static __device__ __forceinline__ void store(T* p, const float (&f)[E]) {
+        Vec16<T> v;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) from_float2(&v.lanes[e], f[e], f[e + 1]);
+        store16<CacheHint::Streaming>(reinterpret_cast<uint4*>(p), v.raw);
+    }
+};
+
+template <typename T> struct Group<T, false> {
+    static constexpr int E = 1;
+    using Raw = T;
+    static __device__ __forceinline__ Raw zero() { return from_float<T>(0.0f); }
+    static __device__ __forceinline__ Raw load(const T* p) { return __ldg(p); }
+    static __device__ __forceinline__ void unpack(Raw raw, float (&f)[1]) { f[0] = to_float(raw); }
+    static __device__ __forceinline__ void store(T* p, const float (&f)[1]) { __stcs(p, from_float<T>(f[0])); }
+};
+
+template <typename T, bool VEC, int LOADS, int UNROLL>
+__device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __restrict__ weight,
+                                               const T* __restrict__ bias, T* __restrict__ out) {
+    using G = Group<T, VEC>;
+    constexpr int E = G::E;
+    constexpr uint64_t STRIPE = 32 * LOADS * E;
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    const uint64_t n_out = s.out_dim;
+    const uint64_t row_stride = n_out * s.perspectives;
+    const uint64_t tasks = s.batch * s.perspectives;
+    const uint64_t stripes = (n_out + STRIPE - 1) / STRIPE;
+
+    for (uint64_t stripe = 0; stripe < stripes; ++stripe) {
+        uint64_t col[LOADS];
+        bool in_range[LOADS];
+        float bias_part[LOADS][E];
+#pragma unroll
+        for (int l = 0; l < LOADS; ++l) {
+            col[l] = stripe * STRIPE + static_cast<uint64_t>(l * 32 + lane) * E;
+            in_range[l] = col[l] < n_out;
+            G::unpack(in_range[l] ? G::load(bias + col[l]) : G::zero(), bias_part[l]);
+        }
+        for (uint64_t t = warp; t < tasks; t += warps) {
+            const Task task(s, t);
+            float acc[LOADS][E];
+#pragma unroll
+            for (int l = 0; l < LOADS; ++l)
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[l][e] = bias_part[l][e];
+
+            for (uint32_t base = 0; base < s.max_active; base += 32) {
+                const FeatureChunk chunk = load_features(s, task, base, lane);
+                for (int k = 0; k < chunk.count; k += UNROLL) {
+                    typename G::Raw raw[UNROLL][LOADS];
+                    float value[UNROLL];
+#pragma unroll
+                    for (int u = 0; u < UNROLL; ++u) {
+                        const int32_t row = __shfl_sync(FULL_MASK, chunk.index, k + u);
+                        value[u] = __shfl_sync(FULL_MASK, chunk.value, k + u);
+                        const bool use = k + u < chunk.count && row >= 0;
+                        if (!use) value[u] = 0.0f;
+                        const T* weight_row = weight + static_cast<uint64_t>(use ? row : 0) * s.weight_stride;
+#pragma unroll
+                        for (int l = 0; l < LOADS; ++l)
+                            raw[u][l] = (use && in_range[l]) ? G::load(weight_row + col[l]) : G::zero();
+                    }
+#pragma unroll
+                    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                        for (int l = 0; l < LOADS; ++l) {
+                            float w[E];
+                            G::unpack(raw[u][l], w);
+#pragma unroll
+                            for (int e = 0; e < E; ++e) acc[l][e] = fmaf(value[u], w[e], acc[l][e]);
+                        }
+                }
+                if (chunk.last) break;
+            }
+
+            T* dst = out + task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
+#pragma unroll
+            for (int l = 0; l < LOADS; ++l)
+                if (in_range[l]) G::store(dst + col[l], acc[l]);
+        }
+    }
+}
+
+// Four output-gradient columns of dtype T as floats, and the matching weight-gradient update.
+template <typename T, bool VEC> struct GradGroup;
+
+template <typename T> struct GradGroup<T, true> {
+    static constexpr int E = 4;
+    static __device__ __forceinline__ void load(const T* p, float (&g)[4]) {
+        if constexpr (sizeof(T) == 4) {
+            const float4 v = __ldcs(reinterpret_cast<const float4*>(p));
+            g[0] = v.x, g[1] = v.y, g[2] = v.z, g[3] = v.w;
+        } else {
+            const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+            const T* halves = reinterpret_cast<const T*>(&raw);
+            const float2 a = to_float2(halves), b = to_float2(halves + 2);
+            g[0] = a.x, g[1] = a.y, g[2] = b.x, g[3] = b.y;
+        }
+    }
+    static __device__ __forceinline__ void add(float* p, float v, const float (&g)[4]) {
+#if __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(p), make_float4(v * g[0], v * g[1], v * g[2], v * g[3]));
+#else
+#pragma unroll
+        for (int e = 0; e < 4; ++e) atomicAdd(p + e, v * g[e]);
+#endif
+    }
+};
+
+template <typename T> struct GradGroup<T, false> {
+    static constexpr int E = 1;
+    static __device__ __forceinline__ void load(const T* p, float (&g)[1]) { g[0] = to_float(*p); }
+    static __device__ __forceinline__ void add(float* p, float v, const float (&g)[1]) { atomicAdd(p, v * g[0]); }
+};
+
+// grad has num_inputs + 1 rows of out_dim f32, zeroed by the host: rows [0, num_inputs) receive the
+// weight gradient, the last row the bias gradient. Weight rows are updated with vector atomics,
+// skipping groups whose output gradient is all zero (common behind a clamp). The bias gradient
+// is summed in registers per warp, then across the block, and added with one atomic per column
+// per block, not per position.
+template <typename T, bool VEC, int LOADS>
+__device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* __restrict__ grad_out,
+                                                float* __restrict__ grad) {
+    using G = GradGroup<T, VEC>;
+    constexpr int E = G::E;
+    constexpr int STRIPE = 32 * LOADS * E;
+    __shared__ float bias_partial[WARPS][STRIPE];
+    const int lane = threadIdx.x & 31;
+    const int warp_in_block = threadIdx.x >> 5;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    const uint64_t n_out = s.out_dim;
+    const uint64_t row_stride = n_out * s.perspectives;
+    const uint64_t tasks = s.batch * s.perspectives;
+    const uint64_t stripes = (n_out + STRIPE - 1) / STRIPE;
+    float* bias_grad = grad + s.num_inputs * n_out;
+
+    for (uint64_t stripe = 0; stripe < stripes; ++stripe) {
+        uint64_t col[LOADS];
+        bool in_range[LOADS];
+        float bias_sum[LOADS][E];
+#pragma unroll
+        for (int l = 0; l < LOADS; ++l) {
+            col[l] = stripe * STRIPE + static_cast<uint64_t>(l * 32 + lane) * E;
+            in_range[l] = col[l] < n_out;
+#pragma unroll
+            for (int e = 0; e < E; ++e) bias_sum[l][e] = 0.0f;
+        }
+        for (uint64_t t = warp; t < tasks; t += warps) {
+            const Task task(s, t);
+            const T* src = grad_out + task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
+            float g[LOADS][E];
+            bool nonzero[LOADS];
+#pragma unroll
+            for (int l = 0; l < LOADS; ++l) {
+                if (in_range[l]) {
+                    G::load(src + col[l], g[l]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) g[l][e] = 0.0f;
+                }
+                nonzero[l] = false;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    bias_sum[l][e] += g[l][e];
+                    nonzero[l] |= g[l][e] != 0.0f;
+                }
+            }
+            for (uint32_t base = 0; base < s.max_active; base += 32) {
+                const FeatureChunk chunk = load_features(s, task, base, lane);
+                for (int k = 0; k < chunk.count; ++k) {
+                    const int32_t row = __shfl_sync(FULL_MASK, chunk.index, k);
+                    const float value = __shfl_sync(FULL_MASK, chunk.value, k);
+                    if (row < 0) continue;
+                    float* dst = grad + static_cast<uint64_t>(row) * n_out;
+#pragma unroll
+                    for (int l = 0; l < LOADS; ++l)
+                        if (nonzero[l]) G::add(dst + col[l], value, g[l]);
+                }
+                if (chunk.last) break;
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < LOADS; ++l)
+#pragma unroll
+            for (int e = 0; e < E; ++e) bias_partial[warp_in_block][(l * 32 + lane) * E + e] = bias_sum[l][e];
+        __syncthreads();
+        for (int c = threadIdx.x; c < STRIPE; c += THREADS) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += bias_partial[w][c];
+            const uint64_t column = stripe * STRIPE + c;
+            if (column < n_out && sum != 0.0f) atomicAdd(bias_grad + column, sum);
+        }
+        __syncthreads();
+    }
+}
+
+}  // namespace
+
+#define SPARSE_FEATURE_ARGS                                                                                   \
+    SparseShape shape, const int32_t *idx0, const int32_t *idx1, const float *val0, const float *val1,       \
+        const uint8_t *side_first
+#define SPARSE_BATCH SparseBatch(shape, idx0, idx1, val0, val1, side_first)
+#define SPARSE_FORWARD(T, SUFFIX, NAME, VEC, LOADS, UNROLL)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                  \
+        NAME##_##SUFFIX(SPARSE_FEATURE_ARGS, const T* weight, const T* bias, T* out) {                       \
+        sparse_forward<T, VEC, LOADS, UNROLL>(SPARSE_BATCH, weight, bias, out);                               \
+    }
+#define SPARSE_BACKWARD(T, SUFFIX, NAME, VEC, LOADS)                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
+        NAME##_##SUFFIX(SPARSE_FEATURE_ARGS, const T* grad_out, float* grad) {                                \
+        sparse_backward<T, VEC, LOADS>(SPARSE_BATCH, grad_out, grad);                                         \
+    }
+#define SPARSE_KERNELS(T, SUFFIX)                                        \
+    SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_vec2, true, 2, 4)        \
+    SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_vec1, true, 1, 8)        \
+    SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_scalar, false, 4, 8)     \
+    SPARSE_BACKWARD(T, SUFFIX, sparse_linear_bwd_vec2, true, 2)          \
+    SPARSE_BACKWARD(T, SUFFIX, sparse_linear_bwd_vec1, true, 1)          \
+    SPARSE_BACKWARD(T, SUFFIX, sparse_linear_bwd_scalar, false, 4)
+FASTOPS_FLOAT_KERNELS(SPARSE_KERNELS)
