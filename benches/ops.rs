@@ -390,6 +390,143 @@ fn bench_softmax(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
+/// Uniformly random feature rows, every slot active (the bench's worst case for the gather).
+fn random_features(batch: usize, active: usize, num_inputs: usize, dev: &Device) -> Result<Tensor> {
+    Tensor::rand(0f32, num_inputs as f32, (batch, active), &Device::Cpu)?
+        .floor()?
+        .clamp(0f32, num_inputs as f32 - 1.0)?
+        .to_dtype(DType::I64)?
+        .to_dtype(DType::I32)?
+        .to_device(dev)
+}
+
+/// What a candle user writes today: gather the rows, weight them, sum, add the bias.
+fn sparse_composite(
+    idx: &Tensor,
+    values: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+) -> Result<Tensor> {
+    let (batch, active) = idx.dims2()?;
+    let rows = weight.index_select(&idx.flatten_all()?, 0)?;
+    rows.reshape((batch, active, weight.dim(1)?))?
+        .broadcast_mul(&values.unsqueeze(2)?)?
+        .sum(1)?
+        .broadcast_add(bias)
+}
+
+/// The composite's gradients: scatter-add the weighted output gradients, sum for the bias.
+fn sparse_composite_backward(
+    idx: &Tensor,
+    values: &Tensor,
+    grad: &Tensor,
+    num_inputs: usize,
+) -> Result<()> {
+    let (batch, active) = idx.dims2()?;
+    let out = grad.dim(1)?;
+    let rows = grad
+        .unsqueeze(1)?
+        .broadcast_mul(&values.unsqueeze(2)?)?
+        .reshape((batch * active, out))?;
+    let zeros = Tensor::zeros((num_inputs, out), grad.dtype(), grad.device())?;
+    zeros.index_add(&idx.flatten_all()?, &rows, 0)?;
+    grad.sum(0).map(drop)
+}
+
+fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
+    const OP: &str = "sparse_linear";
+    if !b.wants(OP) {
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    let active = 32;
+    // (num_inputs, out, batch, dtypes)
+    let cases: Vec<(usize, usize, usize, Vec<DType>)> = if dev.is_cuda() {
+        vec![
+            (22528, 1024, 16384, vec![DType::F32, DType::BF16]),
+            (45056, 3072, 16384, vec![DType::F32]),
+        ]
+    } else {
+        vec![(22528, 256, 4096, vec![DType::F32])]
+    };
+    for (num_inputs, out, batch, dtypes) in cases {
+        let idx = random_features(batch, active, num_inputs, &dev)?;
+        let black = random_features(batch, active, num_inputs, &dev)?;
+        let stm = Tensor::rand(0f32, 1f32, batch, &dev)?.ge(0.5)?;
+        let values = Tensor::ones((batch, active), DType::F32, &dev)?;
+        for dtype in dtypes {
+            let weight = randn(&[num_inputs, out], dtype, &dev)?;
+            let bias = randn(&[out], dtype, &dev)?;
+            let elem = dtype.size_in_bytes() as f64;
+            // Bytes the gather moves (through L2): every active row slice, plus the output.
+            let gathered = (batch * active * out) as f64 * elem + (batch * out) as f64 * elem;
+            let case = format!("{num_inputs}->{out} x{active} batch {batch}");
+            let values_typed = values.to_dtype(dtype)?;
+            // candle's index_select / index_add take u32 (not i32) indices.
+            let idx_u32 = idx.to_dtype(DType::U32)?;
+            b.compare(
+                OP,
+                &format!("{case} forward"),
+                dtype,
+                Work::Bytes(gathered),
+                || candle_fastops::sparse_linear(&idx, None, &weight, &bias).map(drop),
+                "index_select+mul+sum+add",
+                || sparse_composite(&idx_u32, &values_typed, &weight, &bias).map(drop),
+            )?;
+            if out == 1024 || !dev.is_cuda() {
+                b.compare(
+                    OP,
+                    &format!("{case} forward_pair"),
+                    dtype,
+                    Work::Bytes(2.0 * gathered),
+                    || {
+                        candle_fastops::sparse_linear_pair(
+                            &idx, &black, &stm, None, None, &weight, &bias,
+                        )
+                        .map(drop)
+                    },
+                    "one sparse_linear forward",
+                    || candle_fastops::sparse_linear(&idx, None, &weight, &bias).map(drop),
+                )?;
+            }
+            if dtype == DType::F32 && (out == 1024 || !dev.is_cuda()) {
+                let grad = randn(&[batch, out], dtype, &dev)?;
+                // The weight gradient: one atomic add per active row slice element, plus the
+                // zeroed buffer and the output gradient read once.
+                let bytes = (batch * active * out) as f64 * 4.0
+                    + (num_inputs * out) as f64 * 4.0
+                    + (batch * out) as f64 * 4.0;
+                b.compare(
+                    OP,
+                    &format!("{case} backward"),
+                    dtype,
+                    Work::Bytes(bytes),
+                    || {
+                        candle_fastops::sparse_linear_backward(&idx, None, &grad, num_inputs)
+                            .map(drop)
+                    },
+                    "index_add+sum composite",
+                    || sparse_composite_backward(&idx_u32, &values, &grad, num_inputs),
+                )?;
+                let clamped = grad.relu()?; // half zeros, as behind a clamp
+                b.compare(
+                    OP,
+                    &format!("{case} backward 50% zero grads"),
+                    dtype,
+                    Work::Bytes(bytes),
+                    || {
+                        candle_fastops::sparse_linear_backward(&idx, None, &clamped, num_inputs)
+                            .map(drop)
+                    },
+                    "index_add+sum composite",
+                    || sparse_composite_backward(&idx_u32, &values, &clamped, num_inputs),
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
     candle_fastops::bias_add(xs, bias, dim).map(drop)
 }
@@ -415,6 +552,7 @@ fn main() -> Result<()> {
     print_header();
     bench_bias_add(&mut bench)?;
     bench_softmax(&mut bench)?;
+    bench_sparse_linear(&mut bench)?;
     match bench.write_jsonl() {
         Ok(path) => println!("rows appended to {}", path.display()),
         Err(e) => eprintln!("could not write bench rows: {e}"),

@@ -48,6 +48,8 @@ pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;
 pub use softmax::{log_softmax_dims, softmax_dims};
+#[doc(hidden)]
+pub use sparse_linear::sparse_linear_backward;
 pub use sparse_linear::{
     check_sparse_indices, sparse_linear, sparse_linear_pair, FeatureTransformer,
 };

@@ -12,8 +12,8 @@
 use crate::cpu::{output_vec, spare, CpuFloat};
 use crate::dispatch::with_float_cpu;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result,
-    Shape, Storage, Tensor, WithDType,
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
+    WithDType,
 };
 use candle_nn::init::Init;
 use num_traits::{NumCast, Zero};
@@ -115,6 +115,27 @@ pub fn check_sparse_indices(indices: &Tensor, num_inputs: usize) -> Result<()> {
     let host = indices.to_device(&Device::Cpu)?.contiguous()?;
     let flat = host.flatten_all()?.to_vec1::<i32>()?;
     validate_rows(&flat, batch, max_active, num_inputs)
+}
+
+/// The gradients [`sparse_linear`]'s autograd produces for an output gradient `grad_out`
+/// (`[batch, out]`): `(grad_weight [num_inputs, out], grad_bias [out])` in the accumulator dtype
+/// (f32; f64 for f64), for the bench and for training loops without autograd.
+#[doc(hidden)]
+pub fn sparse_linear_backward(
+    indices: &Tensor,
+    values: Option<&Tensor>,
+    grad_out: &Tensor,
+    num_inputs: usize,
+) -> Result<(Tensor, Tensor)> {
+    let out = grad_out.dim(1)?;
+    let shape_only = Tensor::zeros((num_inputs, 1), grad_out.dtype(), grad_out.device())?
+        .broadcast_as((num_inputs, out))?;
+    let bias_like = Tensor::zeros(1, grad_out.dtype(), grad_out.device())?.broadcast_as(out)?;
+    let batch = Features::new(&[(indices, values)], None, &shape_only, &bias_like)?;
+    let grads = grad_out.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
+        batch: Arc::new(batch),
+    })?;
+    Ok((grads.narrow(0, 0, num_inputs)?, grads.get(num_inputs)?))
 }
 
 /// An NNUE feature transformer layer: owns `weight` `[num_inputs, out]` and `bias` `[out]`,
@@ -366,7 +387,12 @@ impl Features {
 }
 
 /// Checks the active indices of `batch` rows of `max_active` (each row up to its first -1).
-fn validate_rows(indices: &[i32], batch: usize, max_active: usize, num_inputs: usize) -> Result<()> {
+fn validate_rows(
+    indices: &[i32],
+    batch: usize,
+    max_active: usize,
+    num_inputs: usize,
+) -> Result<()> {
     if max_active == 0 {
         return Ok(());
     }
@@ -422,8 +448,9 @@ impl CustomOp2 for SparseLinear {
         for side in &sides.indices {
             validate_rows(side, f.batch, f.max_active, f.num_inputs)?;
         }
-        let stride = weight_row_stride(weight_layout)
-            .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: internal error, weight layout")))?;
+        let stride = weight_row_stride(weight_layout).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: internal error, weight layout"))
+        })?;
         let bias_start = bias_layout.start_offset();
         let out = with_float_cpu!(OP, weight, |weight| {
             let weight = &weight[weight_layout.start_offset()..];
@@ -444,8 +471,9 @@ impl CustomOp2 for SparseLinear {
         let f = &self.batch;
         let dev = &weight.device;
         cuda::take_pending_error(dev)?;
-        let stride = weight_row_stride(weight_layout)
-            .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: internal error, weight layout")))?;
+        let stride = weight_row_stride(weight_layout).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: internal error, weight layout"))
+        })?;
         let len = f.batch * f.perspectives() * f.out;
         let out = crate::dispatch::with_float_cuda!(OP, &weight.slice, |w| {
             let out = crate::cuda::alloc_output(dev, len)?;
@@ -563,7 +591,11 @@ mod cpu {
 
     pub(super) fn lock(f: &Features) -> Result<Locks<'_>> {
         Ok(Locks {
-            indices: f.sides.iter().map(|s| s.indices.storage_and_layout()).collect(),
+            indices: f
+                .sides
+                .iter()
+                .map(|s| s.indices.storage_and_layout())
+                .collect(),
             values: f
                 .sides
                 .iter()
@@ -587,7 +619,11 @@ mod cpu {
     impl Locks<'_> {
         pub(super) fn sides(&self) -> Result<Sides<'_>> {
             Ok(Sides {
-                indices: self.indices.iter().map(slice::<i32>).collect::<Result<_>>()?,
+                indices: self
+                    .indices
+                    .iter()
+                    .map(slice::<i32>)
+                    .collect::<Result<_>>()?,
                 values: self
                     .values
                     .iter()
@@ -839,7 +875,9 @@ mod cuda {
             match &self.locks[slot] {
                 None => Ok(None),
                 Some(storage) => match &**storage {
-                    Storage::Cuda(s) => Ok(Some(s.as_cuda_slice::<T>()?.slice(self.starts[slot]..))),
+                    Storage::Cuda(s) => {
+                        Ok(Some(s.as_cuda_slice::<T>()?.slice(self.starts[slot]..)))
+                    }
                     _ => bail!("{OP}: internal error, a feature tensor is not on the GPU"),
                 },
             }
@@ -947,7 +985,7 @@ mod cuda {
         if tasks == 0 || f.out == 0 {
             return Ok(());
         }
-        let base = if f.out % 4 != 0 || grad_start % 4 != 0 {
+        let base = if !f.out.is_multiple_of(4) || !grad_start.is_multiple_of(4) {
             "sparse_linear_bwd_scalar"
         } else if stripe_loads(dev, f.num_inputs, f.out * 4)? == 2 {
             "sparse_linear_bwd_vec2"

@@ -129,9 +129,10 @@ impl ErrorFlag {
         let stream = dev.cuda_stream();
         let ctx = stream.context();
         let key = ctx.cu_ctx() as usize;
-        let mut flags = FLAGS.get_or_init(Default::default).lock().map_err(|_| {
-            candle_core::Error::Msg("fastops: error-flag registry poisoned".into())
-        })?;
+        let mut flags = FLAGS
+            .get_or_init(Default::default)
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("fastops: error-flag registry poisoned".into()))?;
         if let Some(flag) = flags.get(&key) {
             return Ok(*flag);
         }
