@@ -462,8 +462,12 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
             let gathered = (batch * active * out) as f64 * elem + (batch * out) as f64 * elem;
             let case = format!("{num_inputs}->{out} x{active} batch {batch}");
             let values_typed = values.to_dtype(dtype)?;
-            // candle's index_select / index_add take u32 (not i32) indices.
-            let idx_u32 = idx.to_dtype(DType::U32)?;
+            // candle's index_select / index_add take u32 (not i32) indices; its CUDA backend
+            // cannot cast i32 to u32, so the cast goes through the CPU (outside the timing).
+            let idx_u32 = idx
+                .to_device(&Device::Cpu)?
+                .to_dtype(DType::U32)?
+                .to_device(&dev)?;
             b.compare(
                 OP,
                 &format!("{case} forward"),

@@ -5,7 +5,7 @@
 //! | op | what | status |
 //! | --- | --- | --- |
 //! | [`bias_add`] / [`bias_add_`] | TensorFlow `BiasAdd`: a 1-D bias along any dim | implemented |
-//! | sparse feature transformer | NNUE input layer, forward and backward | planned |
+//! | [`sparse_linear`] / [`sparse_linear_pair`] / [`FeatureTransformer`] | NNUE input layer (sparse feature transformer), forward and backward | implemented |
 //! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
 //! | small_fc_lopt | learned optimizer as a `candle_nn::Optimizer` | planned |
@@ -26,6 +26,18 @@
 //! // The plan behind them, reusable for a (shape, dims) pair: 8 * 4 groups of 16 * 4.
 //! let plan = candle_fastops::ReducePlan::new(xs.dims(), &[1, 3])?;
 //! assert_eq!((plan.num_groups(), plan.group_size()), (32, 64));
+//!
+//! // NNUE feature transformer: rows of active feature indices ending at -1, both perspectives
+//! // in one launch, the side to move's half first; gradients reach weight and bias.
+//! let weight = candle_core::Var::randn(0f32, 0.01, (768, 32), &dev)?;
+//! let ft_bias = candle_core::Var::zeros(32, DType::F32, &dev)?;
+//! let white = Tensor::new(&[[3i32, 70, 500, -1], [8, -1, 0, 0]], &dev)?;
+//! let black = Tensor::new(&[[5i32, 9, -1, -1], [600, 601, 602, 603]], &dev)?;
+//! let stm = Tensor::new(&[1u8, 0], &dev)?;
+//! let acc = candle_fastops::sparse_linear_pair(&white, &black, &stm, None, None, &weight, &ft_bias)?;
+//! assert_eq!(acc.dims(), [2, 64]);
+//! let grads = acc.clamp(0f32, 1f32)?.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&weight).unwrap().dims(), [768, 32]);
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!

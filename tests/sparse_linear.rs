@@ -438,8 +438,11 @@ fn bad_inputs_are_clear_errors() {
                 "error {e:?} does not mention {needle:?}"
             );
         };
+        // Casts go through the CPU: candle's CUDA backend has no i32 -> u32 or f32 -> u32 cast.
+        let on_cpu =
+            |t: &Tensor, dtype: DType| t.to_device(&Device::Cpu)?.to_dtype(dtype)?.to_device(dev);
         expect_err(
-            sparse_linear(&idx.to_dtype(DType::U32)?, None, &w, &b),
+            sparse_linear(&on_cpu(&idx, DType::U32)?, None, &w, &b),
             "must be i32",
         );
         expect_err(
@@ -470,8 +473,8 @@ fn bad_inputs_are_clear_errors() {
             sparse_linear(
                 &idx,
                 None,
-                &w.to_dtype(DType::U32)?,
-                &b.to_dtype(DType::U32)?,
+                &on_cpu(&w, DType::U32)?,
+                &on_cpu(&b, DType::U32)?,
             ),
             "must be f32",
         );
