@@ -89,5 +89,29 @@ echo "run.sh: exit $status"
 exit $status
 RUN
 chmod +x "$bundle/run.sh"
+
+cat > "$bundle/sweep.sh" <<'SWEEP'
+#!/usr/bin/env bash
+# Tuning runs: sweep.sh OUTDIR "VAR=a" "VAR=b OTHER=c" ... runs the bench once per setting (bench
+# filter from $FILTER), appending the rows to OUTDIR/sweep.log and OUTDIR/sweep.jsonl.
+out=${1:?usage: sweep.sh OUTDIR SETTING...}
+shift
+mkdir -p "$out"
+work=$(mktemp -d)
+xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/bench"
+libdirs=/usr/local/cuda/lib64
+for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
+    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
+done
+export LD_LIBRARY_PATH="$libdirs"
+for setting in "$@"; do
+    echo "=== $setting" | tee -a "$out/sweep.log"
+    (eval "export $setting"; FASTOPS_BENCH_OUT="$out/sweep.jsonl" "$work/bench" ${FILTER:-}) 2>&1 \
+        | grep -E '^\| [a-z]|rror' | tee -a "$out/sweep.log"
+done
+rm -rf "$work"
+SWEEP
+chmod +x "$bundle/sweep.sh"
 du -sh "$bundle" >&2
 ls -la "$bundle/bin" >&2

@@ -785,6 +785,8 @@ mod cuda {
         out_dim: u64,
         index_stride: u64,
         weight_stride: u64,
+        stripe_begin: u64,
+        stripe_end: u64,
         max_active: u32,
         perspectives: u32,
     }
@@ -813,25 +815,70 @@ mod cuda {
         std::env::var(name).ok().and_then(|v| v.parse().ok())
     }
 
-    /// Whether the weight stripe of `two_loads` (32 lanes x 2 x 16 bytes per row) fits in half
-    /// the L2 with every input row, which is what keeps the gather served from L2.
-    fn stripe_loads(dev: &CudaDevice, num_inputs: usize, out_bytes: usize) -> Result<u32> {
-        if let Some(forced) = tuning("FASTOPS_SPARSE_LOADS") {
-            return Ok(forced.clamp(1, 2));
-        }
-        let fits = num_inputs.saturating_mul(32 * 2 * 16) <= l2_bytes(dev)? / 2;
-        Ok(if fits && out_bytes > 32 * 16 { 2 } else { 1 })
+    /// How a kernel is launched: its variant, the width of its column stripes, and how many
+    /// stripes one launch covers.
+    struct StripePlan {
+        variant: &'static str,
+        stripes: usize,
+        stripes_per_launch: usize,
+        blocks_per_sm: u32,
     }
 
-    fn config(dev: &CudaDevice, tasks: u64, blocks_per_sm: u32) -> Result<LaunchConfig> {
-        let blocks_per_sm = tuning("FASTOPS_SPARSE_BLOCKS_PER_SM").unwrap_or(blocks_per_sm);
-        let wanted = tasks.div_ceil(WARPS_PER_BLOCK).max(1);
-        let cap = sm_count(dev)? as u64 * blocks_per_sm.max(1) as u64;
-        Ok(LaunchConfig {
-            grid_dim: (wanted.min(cap) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
+    impl StripePlan {
+        /// `elem` is the size of the matrix the stripes cut (weight forward, f32 gradient
+        /// backward) and `group` its columns per 16-byte (vector) or 4-byte (scalar) access.
+        /// One 16-byte load per lane (512-byte rows) measured at least as fast as two on the
+        /// H200 (BENCHMARKS.md), and narrower stripes fit in L2 for more inputs. A launch covers
+        /// as many stripes as fit in half the L2 with all their rows.
+        fn new(
+            dev: &CudaDevice,
+            f: &Features,
+            vec: bool,
+            group: usize,
+            elem: usize,
+            blocks_per_sm: u32,
+        ) -> Result<Self> {
+            let loads = tuning("FASTOPS_SPARSE_LOADS").unwrap_or(1).clamp(1, 2) as usize;
+            let (variant, stripe_cols) = match (vec, loads) {
+                (false, _) => ("scalar", 32 * 4),
+                (true, 1) => ("vec1", 32 * group),
+                (true, _) => ("vec2", 64 * group),
+            };
+            let stripes = f.out.div_ceil(stripe_cols);
+            let budget = match tuning("FASTOPS_SPARSE_L2_BUDGET_MB") {
+                Some(0) => usize::MAX,
+                Some(mb) => (mb as usize) << 20,
+                None => l2_bytes(dev)? / 2,
+            };
+            let stripe_bytes = f.num_inputs.max(1).saturating_mul(stripe_cols * elem);
+            let stripes_per_launch = (budget / stripe_bytes).clamp(1, stripes.max(1));
+            Ok(Self {
+                variant,
+                stripes,
+                stripes_per_launch,
+                blocks_per_sm: tuning("FASTOPS_SPARSE_BLOCKS_PER_SM").unwrap_or(blocks_per_sm),
+            })
+        }
+
+        fn config(&self, dev: &CudaDevice, tasks: u64) -> Result<LaunchConfig> {
+            let wanted = tasks.div_ceil(WARPS_PER_BLOCK).max(1);
+            let cap = sm_count(dev)? as u64 * self.blocks_per_sm.max(1) as u64;
+            Ok(LaunchConfig {
+                grid_dim: (wanted.min(cap) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+
+        /// `[begin, end)` of each launch's stripes.
+        fn launches(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+            (0..self.stripes).step_by(self.stripes_per_launch).map(|b| {
+                (
+                    b as u64,
+                    (b + self.stripes_per_launch).min(self.stripes) as u64,
+                )
+            })
+        }
     }
 
     /// Device views of a call's feature tensors, borrowed for one launch.
@@ -912,7 +959,13 @@ mod cuda {
         };
     }
 
-    fn shape(dev: &CudaDevice, f: &Features, weight_stride: usize) -> Result<SparseShape> {
+    fn shape(
+        dev: &CudaDevice,
+        f: &Features,
+        weight_stride: usize,
+        stripe_begin: u64,
+        stripe_end: u64,
+    ) -> Result<SparseShape> {
         let error_flag = ErrorFlag::of(dev)?.map_or(0, |flag| flag.device_ptr());
         Ok(SparseShape {
             error_flag,
@@ -921,6 +974,8 @@ mod cuda {
             out_dim: f.out as u64,
             index_stride: f.max_active as u64,
             weight_stride: weight_stride as u64,
+            stripe_begin,
+            stripe_end,
             max_active: u32::try_from(f.max_active)
                 .map_err(|_| candle_core::Error::Msg(format!("{OP}: max_active too large")))?,
             perspectives: f.sides.len() as u32,
@@ -942,36 +997,37 @@ mod cuda {
         if tasks == 0 || f.out == 0 {
             return Ok(());
         }
-        let width = 16 / std::mem::size_of::<T>();
+        let elem = std::mem::size_of::<T>();
+        let width = 16 / elem;
         let vec = [f.out, weight_stride, weight_start, bias_start]
             .iter()
             .all(|&n| n % width == 0);
-        let base = if !vec {
-            "sparse_linear_fwd_scalar"
-        } else if stripe_loads(dev, f.num_inputs, f.out * std::mem::size_of::<T>())? == 2 {
-            "sparse_linear_fwd_vec2"
-        } else {
-            "sparse_linear_fwd_vec1"
-        };
-        let shape = shape(dev, f, weight_stride)?;
+        // 80-96 registers per thread leave room for 2-3 blocks of 256 per SM; 2 measured best
+        // for 2-byte weights, 3 for f32.
+        let plan = StripePlan::new(dev, f, vec, width, elem, if elem == 4 { 3 } else { 2 })?;
+        let name = kernel_name::<T>(&format!("sparse_linear_fwd_{}", plan.variant));
+        let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+        let cfg = plan.config(dev, tasks)?;
         let views = FeatureViews::new(f);
         let indices = [views.view::<i32>(0)?, views.view::<i32>(1)?];
         let values = [views.view::<f32>(2)?, views.view::<f32>(3)?];
         let side_first = views.view::<u8>(4)?;
         let null = 0u64;
-        let kernel = Kernel::load(dev, Module::SparseLinear, &kernel_name::<T>(base))?;
-        // 80 registers per thread leave room for 3 blocks of 256 per SM.
-        let cfg = config(dev, tasks, 3)?;
-        // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
-        // side_first, weight, bias, out)`. Index rows hold max_active entries for batch rows,
-        // weight rows are read only at indices checked against num_inputs, with weight_stride
-        // and out columns inside the views, and out holds batch x perspectives x out elements.
-        unsafe {
-            kernel.launch(cfg, |args| {
-                push_features(args, &shape, &indices, &values, &side_first, &null);
-                args.arg(weight).arg(bias).arg(out);
-            })
+        for (begin, end) in plan.launches() {
+            let shape = shape(dev, f, weight_stride, begin, end)?;
+            // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
+            // side_first, weight, bias, out)`. Index rows hold max_active entries for batch
+            // rows, weight rows are read only at indices checked against num_inputs, with
+            // weight_stride and out columns inside the views, and out holds batch x perspectives
+            // x out elements.
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    push_features(args, &shape, &indices, &values, &side_first, &null);
+                    args.arg(weight).arg(bias).arg(out);
+                })?;
+            }
         }
+        Ok(())
     }
 
     pub(super) fn backward<T: WithDType + DeviceRepr>(
@@ -985,29 +1041,28 @@ mod cuda {
         if tasks == 0 || f.out == 0 {
             return Ok(());
         }
-        let base = if !f.out.is_multiple_of(4) || !grad_start.is_multiple_of(4) {
-            "sparse_linear_bwd_scalar"
-        } else if stripe_loads(dev, f.num_inputs, f.out * 4)? == 2 {
-            "sparse_linear_bwd_vec2"
-        } else {
-            "sparse_linear_bwd_vec1"
-        };
-        let shape = shape(dev, f, f.out)?;
+        let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+        let plan = StripePlan::new(dev, f, vec, 4, 4, 4)?;
+        let name = kernel_name::<T>(&format!("sparse_linear_bwd_{}", plan.variant));
+        let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+        let cfg = plan.config(dev, tasks)?;
         let views = FeatureViews::new(f);
         let indices = [views.view::<i32>(0)?, views.view::<i32>(1)?];
         let values = [views.view::<f32>(2)?, views.view::<f32>(3)?];
         let side_first = views.view::<u8>(4)?;
         let null = 0u64;
-        let kernel = Kernel::load(dev, Module::SparseLinear, &kernel_name::<T>(base))?;
-        let cfg = config(dev, tasks, 4)?;
-        // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
-        // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements and
-        // grad (num_inputs + 1) x out, written only at rows checked against num_inputs.
-        unsafe {
-            kernel.launch(cfg, |args| {
-                push_features(args, &shape, &indices, &values, &side_first, &null);
-                args.arg(grad_out).arg(grad);
-            })
+        for (begin, end) in plan.launches() {
+            let shape = shape(dev, f, f.out, begin, end)?;
+            // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
+            // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements
+            // and grad (num_inputs + 1) x out, written only at rows checked against num_inputs.
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    push_features(args, &shape, &indices, &values, &side_first, &null);
+                    args.arg(grad_out).arg(grad);
+                })?;
+            }
         }
+        Ok(())
     }
 }

@@ -6,9 +6,10 @@
 // to move first). A warp owns one (position, perspective) task at a time and a stripe of
 // columns: each lane keeps LOADS groups of E adjacent columns in registers, so any output size
 // works (a prime size just leaves lanes idle in the last stripe) and nothing lives in shared
-// memory. The grid is persistent and walks the stripes in order, so the weight rows of the
-// stripe in use (num_inputs x stripe columns, chosen by the host to fit in half the L2) stay
-// resident while every position gathers from them. Each step of the feature loop issues UNROLL
+// memory. The grid is persistent and walks the stripes of its launch in order, and the host
+// launches groups of stripes whose weight rows (num_inputs x stripe columns) fit in half the L2,
+// so the rows in use stay resident while every position gathers from them (a kernel boundary
+// keeps two groups from competing for the cache). Each step of the feature loop issues UNROLL
 // row loads before using any, since the gather is bound by L2 latency, not arithmetic.
 //
 // Indices: a row's features end at its first -1; anything after it is ignored. An index < -1
@@ -32,6 +33,8 @@ struct SparseShape {
     uint64_t out_dim;
     uint64_t index_stride;  // elements between consecutive rows of indices / values
     uint64_t weight_stride; // elements between consecutive weight rows
+    uint64_t stripe_begin;  // the launch covers column stripes [stripe_begin, stripe_end)
+    uint64_t stripe_end;
     uint32_t max_active;
     uint32_t perspectives;  // 1 or 2
 };
@@ -42,13 +45,14 @@ struct SparseBatch {
     const float* values[2];     // null: every value is 1
     const uint8_t* side_first;  // [batch]; null: perspective p goes to half p
     uint32_t* error_flag;
-    uint64_t batch, num_inputs, out_dim, index_stride, weight_stride;
+    uint64_t batch, num_inputs, out_dim, index_stride, weight_stride, stripe_begin, stripe_end;
     uint32_t max_active, perspectives;
     __device__ __forceinline__ SparseBatch(const SparseShape& sh, const int32_t* idx0, const int32_t* idx1,
                                            const float* val0, const float* val1, const uint8_t* side)
         : indices{idx0, idx1}, values{val0, val1}, side_first(side), error_flag(sh.error_flag), batch(sh.batch),
           num_inputs(sh.num_inputs), out_dim(sh.out_dim), index_stride(sh.index_stride),
-          weight_stride(sh.weight_stride), max_active(sh.max_active), perspectives(sh.perspectives) {}
+          weight_stride(sh.weight_stride), stripe_begin(sh.stripe_begin), stripe_end(sh.stripe_end),
+          max_active(sh.max_active), perspectives(sh.perspectives) {}
 };
 
 // The (position, perspective) of task t and the half of the output row it fills.
@@ -153,9 +157,9 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
     const uint64_t n_out = s.out_dim;
     const uint64_t row_stride = n_out * s.perspectives;
     const uint64_t tasks = s.batch * s.perspectives;
-    const uint64_t stripes = (n_out + STRIPE - 1) / STRIPE;
+    const uint64_t stripes = min((n_out + STRIPE - 1) / STRIPE, s.stripe_end);
 
-    for (uint64_t stripe = 0; stripe < stripes; ++stripe) {
+    for (uint64_t stripe = s.stripe_begin; stripe < stripes; ++stripe) {
         uint64_t col[LOADS];
         bool in_range[LOADS];
         float bias_part[LOADS][E];
@@ -261,10 +265,10 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
     const uint64_t n_out = s.out_dim;
     const uint64_t row_stride = n_out * s.perspectives;
     const uint64_t tasks = s.batch * s.perspectives;
-    const uint64_t stripes = (n_out + STRIPE - 1) / STRIPE;
+    const uint64_t stripes = min((n_out + STRIPE - 1) / STRIPE, s.stripe_end);
     float* bias_grad = grad + s.num_inputs * n_out;
 
-    for (uint64_t stripe = 0; stripe < stripes; ++stripe) {
+    for (uint64_t stripe = s.stripe_begin; stripe < stripes; ++stripe) {
         uint64_t col[LOADS];
         bool in_range[LOADS];
         float bias_sum[LOADS][E];
