@@ -512,6 +512,28 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
                     "index_add+sum composite",
                     || sparse_composite_backward(&idx_u32, &values, &grad, num_inputs),
                 )?;
+                if dev.is_cuda() {
+                    // The ordered (atomic-free) backward of deterministic mode against the default.
+                    b.compare(
+                        OP,
+                        &format!("{case} backward (atomic) vs deterministic"),
+                        dtype,
+                        Work::Bytes(bytes),
+                        || {
+                            candle_fastops::sparse_linear_backward(&idx, None, &grad, num_inputs)
+                                .map(drop)
+                        },
+                        "deterministic (sorted) backward",
+                        || {
+                            candle_fastops::set_deterministic(true);
+                            let r = candle_fastops::sparse_linear_backward(
+                                &idx, None, &grad, num_inputs,
+                            );
+                            candle_fastops::set_deterministic(false);
+                            r.map(drop)
+                        },
+                    )?;
+                }
                 let clamped = grad.relu()?; // half zeros, as behind a clamp
                 b.compare(
                     OP,

@@ -47,6 +47,7 @@ mod bias_add;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod determinism;
 mod dispatch;
 mod poison;
 mod reduce_plan;
@@ -56,6 +57,7 @@ mod sparse_linear;
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
+pub use determinism::{deterministic, set_deterministic};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;

@@ -549,8 +549,14 @@ impl CustomOp1 for SparseLinearGrad {
         let start = layout.start_offset();
         let len = layout.shape().elem_count();
         let out = dev.alloc_zeros::<f32>((f.num_inputs + 1) * f.out)?;
+        let deterministic = crate::deterministic();
         crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
-            cuda::backward(dev, f, &g.slice(start..start + len), start, &out)?
+            let g = g.slice(start..start + len);
+            if deterministic {
+                cuda::backward_sorted(dev, f, &g, start, &out)?
+            } else {
+                cuda::backward(dev, f, &g, start, &out)?
+            }
         });
         Ok((
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -768,7 +774,7 @@ mod cpu {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Features, OP};
-    use crate::cuda::{l2_bytes, sm_count, ErrorFlag, Kernel, Module};
+    use crate::cuda::{grid_stride_config, l2_bytes, sm_count, ErrorFlag, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
     };
@@ -1060,6 +1066,194 @@ mod cuda {
                 kernel.launch(cfg, |args| {
                     push_features(args, &shape, &indices, &values, &side_first, &null);
                     args.arg(grad_out).arg(grad);
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Entries per piece of a feature's sorted run in the deterministic backward: short enough
+    /// to spread a frequent feature over many warps, long enough to amortise a piece.
+    const PIECE: usize = 32;
+    const NO_SCRATCH: u32 = u32::MAX;
+
+    /// The deterministic backward's work list, built on the host: every active (feature, output
+    /// gradient row, value) sorted by feature in batch order, cut into pieces.
+    #[derive(Debug, Default)]
+    struct SortedEntries {
+        rows: Vec<u32>,
+        values: Vec<f32>,
+        /// `[key, begin, end, scratch row or NO_SCRATCH]` per piece.
+        pieces: Vec<u32>,
+        /// `[key, first scratch row, scratch rows]` per feature with several pieces.
+        groups: Vec<u32>,
+        scratch_rows: usize,
+    }
+
+    fn sort_entries(dev: &CudaDevice, f: &Features, views: &FeatureViews) -> Result<SortedEntries> {
+        let (perspectives, a, n) = (f.sides.len(), f.max_active, f.num_inputs);
+        let grad_rows = f.batch * perspectives;
+        if grad_rows
+            .checked_mul(a + 1)
+            .is_none_or(|total| total >= u32::MAX as usize)
+        {
+            bail!("{OP}: deterministic backward supports fewer than 2^32 feature slots");
+        }
+        let mut indices = Vec::with_capacity(perspectives);
+        let mut values = Vec::with_capacity(perspectives);
+        for p in 0..perspectives {
+            let idx = views
+                .view::<i32>(p)?
+                .expect("one index tensor per perspective");
+            indices.push(dev.clone_dtoh(&idx)?);
+            values.push(match views.view::<f32>(2 + p)? {
+                Some(v) => Some(dev.clone_dtoh(&v)?),
+                None => None,
+            });
+        }
+        let side_first = match views.view::<u8>(4)? {
+            Some(v) => Some(dev.clone_dtoh(&v)?),
+            None => None,
+        };
+        // (position, perspective, row of the output gradient) for each task, in batch order.
+        let mut tasks = Vec::with_capacity(grad_rows);
+        for b in 0..f.batch {
+            let first = side_first.as_ref().is_none_or(|s| s[b] != 0);
+            for p in 0..perspectives {
+                let half = if perspectives == 2 && !first {
+                    1 - p
+                } else {
+                    p
+                };
+                tasks.push((b, p, (b * perspectives + half) as u32));
+            }
+        }
+        let active = |b: usize, p: usize| {
+            let row = &indices[p][b * a..(b + 1) * a];
+            row.iter()
+                .take_while(|&&i| i != -1)
+                .enumerate()
+                .filter(|(_, &i)| i >= 0 && (i as usize) < n)
+                .map(move |(k, &i)| (k, i as usize))
+        };
+        // Counting sort by feature; the bias is feature n, fed by every row with value 1.
+        let mut counts = vec![0usize; n + 2];
+        for &(b, p, _) in &tasks {
+            for (_, key) in active(b, p) {
+                counts[key + 1] += 1;
+            }
+        }
+        counts[n + 1] = grad_rows;
+        for key in 0..=n {
+            counts[key + 1] += counts[key];
+        }
+        let total = counts[n + 1];
+        let mut cursor = counts.clone();
+        let mut sorted = SortedEntries {
+            rows: vec![0; total],
+            values: vec![0.0; total],
+            ..Default::default()
+        };
+        for &(b, p, grad_row) in &tasks {
+            for (k, key) in active(b, p) {
+                let at = cursor[key];
+                cursor[key] += 1;
+                sorted.rows[at] = grad_row;
+                sorted.values[at] = values[p].as_ref().map_or(1.0, |v| v[b * a + k]);
+            }
+            let at = cursor[n];
+            cursor[n] += 1;
+            sorted.rows[at] = grad_row;
+            sorted.values[at] = 1.0;
+        }
+        for key in 0..=n {
+            let (begin, end) = (counts[key], counts[key + 1]);
+            let pieces = (end - begin).div_ceil(PIECE);
+            if pieces == 1 {
+                sorted
+                    .pieces
+                    .extend([key as u32, begin as u32, end as u32, NO_SCRATCH]);
+            } else if pieces > 1 {
+                let first = sorted.scratch_rows;
+                for piece in 0..pieces {
+                    let b = begin + piece * PIECE;
+                    let e = (b + PIECE).min(end);
+                    let slot = (first + piece) as u32;
+                    sorted.pieces.extend([key as u32, b as u32, e as u32, slot]);
+                }
+                sorted.scratch_rows += pieces;
+                sorted
+                    .groups
+                    .extend([key as u32, first as u32, pieces as u32]);
+            }
+        }
+        Ok(sorted)
+    }
+
+    /// The deterministic form of [`backward`] (see [`crate::set_deterministic`]).
+    pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
+        dev: &CudaDevice,
+        f: &Features,
+        grad_out: &CudaView<'_, T>,
+        grad_start: usize,
+        grad: &CudaSlice<f32>,
+    ) -> Result<()> {
+        if f.batch * f.sides.len() == 0 || f.out == 0 {
+            return Ok(());
+        }
+        let views = FeatureViews::new(f);
+        let sorted = sort_entries(dev, f, &views)?;
+        let upload_u32 = |v: &[u32]| dev.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
+        let rows = upload_u32(&sorted.rows)?;
+        let values = dev.clone_htod(if sorted.values.is_empty() {
+            &[0f32][..]
+        } else {
+            &sorted.values
+        })?;
+        let pieces = upload_u32(&sorted.pieces)?;
+        let groups = upload_u32(&sorted.groups)?;
+        let scratch = dev.alloc_zeros::<f32>((sorted.scratch_rows * f.out).max(1))?;
+        let (num_pieces, num_groups) = (
+            (sorted.pieces.len() / 4) as u64,
+            (sorted.groups.len() / 3) as u64,
+        );
+        let out_dim = f.out as u64;
+        let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+        let variant = if vec { "vec" } else { "scalar" };
+        let gather = Kernel::load(
+            dev,
+            Module::SparseLinear,
+            &kernel_name::<T>(&format!("sparse_linear_bwd_sorted_{variant}")),
+        )?;
+        let cfg = grid_stride_config(dev, num_pieces * 32, THREADS, 8, 0)?;
+        // SAFETY: the arguments match `sparse_linear_bwd_sorted_*(pieces, num_pieces, rows,
+        // values, grad_out, out_dim, grad, scratch)`; every piece's [begin, end) lies in rows and
+        // values, rows index grad_out's batch x perspectives rows, keys are at most num_inputs
+        // (grad has num_inputs + 1 rows) and scratch rows are below scratch_rows.
+        unsafe {
+            gather.launch(cfg, |args| {
+                args.arg(&pieces)
+                    .arg(&num_pieces)
+                    .arg(&rows)
+                    .arg(&values)
+                    .arg(grad_out)
+                    .arg(&out_dim)
+                    .arg(grad)
+                    .arg(&scratch);
+            })?;
+        }
+        if num_groups > 0 {
+            let combine = Kernel::load(dev, Module::SparseLinear, "sparse_linear_bwd_combine")?;
+            let cfg = grid_stride_config(dev, num_groups * out_dim, THREADS, 8, 0)?;
+            // SAFETY: the arguments match `sparse_linear_bwd_combine(groups, num_groups,
+            // scratch, out_dim, grad)`; each group's scratch rows lie in scratch, its key in grad.
+            unsafe {
+                combine.launch(cfg, |args| {
+                    args.arg(&groups)
+                        .arg(&num_groups)
+                        .arg(&scratch)
+                        .arg(&out_dim)
+                        .arg(grad);
                 })?;
             }
         }

@@ -521,3 +521,64 @@ fn bad_inputs_are_clear_errors() {
         Ok(())
     });
 }
+
+/// Weight and bias gradients of sum(y * r) as flat vectors.
+fn grads_of(
+    indices: &Tensor,
+    weight: &Var,
+    bias: &Var,
+    r: &Tensor,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let ys = sparse_linear(indices, None, weight, bias)?;
+    let grads = (ys * r)?.sum_all()?.backward()?;
+    Ok((
+        to_f64(grads.get(weight).expect("weight gradient"))?,
+        to_f64(grads.get(bias).expect("bias gradient"))?,
+    ))
+}
+
+#[test]
+fn deterministic_backward_is_correct_and_repeatable() {
+    candle_fastops::set_deterministic(true);
+    for_each_device(|dev| {
+        let mut salt = 9000;
+        for dtype in float_dtypes(dev) {
+            for &out in &[7usize, 256, 1031] {
+                for pair in [false, true] {
+                    salt += 10;
+                    check_backward(dev, dtype, pair, out, true, salt)?;
+                }
+            }
+        }
+        // A feature in every row, hundreds of times over (several pieces per feature), and an
+        // output gradient with large and small terms, where summation order shows in the bits.
+        let (n, num_inputs, out) = (300, 20, 64);
+        let mut idx = Batch::random(n, 32, num_inputs, 9500);
+        for row in idx.indices.chunks_mut(32) {
+            if row[0] == -1 {
+                row[1] = -1; // keep the stale slots of an empty row inactive
+            }
+            row[0] = 3;
+        }
+        let indices = idx.indices(dev)?;
+        let weight = Var::from_tensor(&rand_tensor(
+            &[num_inputs, out],
+            1.0,
+            DType::F32,
+            dev,
+            9501,
+        )?)?;
+        let bias = Var::from_tensor(&rand_tensor(&[out], 1.0, DType::F32, dev, 9502)?)?;
+        let r = (rand_tensor(&[n, out], 1.0, DType::F32, dev, 9503)?.exp()? * 1e3)?;
+        let first = grads_of(&indices, &weight, &bias, &r)?;
+        for _ in 0..3 {
+            let again = grads_of(&indices, &weight, &bias, &r)?;
+            assert!(
+                first == again,
+                "deterministic backward changed between runs"
+            );
+        }
+        Ok(())
+    });
+    candle_fastops::set_deterministic(false);
+}

@@ -329,6 +329,74 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
     }
 }
 
+
+// Deterministic backward: the host sorts every active (feature, slot) pair by feature, keeping
+// batch order, and cuts each feature's run into pieces of at most a few dozen entries. A warp sums
+// one piece in order (rows: output-gradient row, values: feature value) and stores it: straight
+// into the gradient row when the feature has one piece, into a scratch row otherwise. A second
+// kernel adds each multi-piece feature's scratch rows in order. No atomics, so the result is the
+// same on every run. The bias gradient is one more "feature" whose entries are every row, value 1.
+// pieces: [key, begin, end, scratch row or NO_SCRATCH] per piece.
+constexpr uint32_t NO_SCRATCH = 0xffffffffu;
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void gather_pieces(const uint32_t* __restrict__ pieces, uint64_t num_pieces,
+                                              const uint32_t* __restrict__ rows, const float* __restrict__ values,
+                                              const T* __restrict__ grad_out, uint64_t out_dim,
+                                              float* __restrict__ grad, float* __restrict__ scratch) {
+    using G = GradGroup<T, VEC>;
+    constexpr int E = G::E;
+    constexpr int UNROLL = 4;
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    for (uint64_t piece = warp; piece < num_pieces; piece += warps) {
+        const uint32_t key = pieces[4 * piece], begin = pieces[4 * piece + 1], end = pieces[4 * piece + 2];
+        const uint32_t slot = pieces[4 * piece + 3];
+        float* dst = slot == NO_SCRATCH ? grad + static_cast<uint64_t>(key) * out_dim
+                                        : scratch + static_cast<uint64_t>(slot) * out_dim;
+        for (uint64_t col = static_cast<uint64_t>(lane) * E; col < out_dim; col += 32 * E) {
+            float acc[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+            uint32_t i = begin;
+            for (; i + UNROLL <= end; i += UNROLL) {
+                float g[UNROLL][E];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) G::load(grad_out + static_cast<uint64_t>(rows[i + u]) * out_dim + col, g[u]);
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[e] = fmaf(values[i + u], g[u][e], acc[e]);
+            }
+            for (; i < end; ++i) {
+                float g[E];
+                G::load(grad_out + static_cast<uint64_t>(rows[i]) * out_dim + col, g);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[e] = fmaf(values[i], g[e], acc[e]);
+            }
+#pragma unroll
+            for (int e = 0; e < E; ++e) dst[col + e] = acc[e];
+        }
+    }
+}
+
+// groups: [key, first scratch row, number of scratch rows] per multi-piece feature.
+__device__ __forceinline__ void combine_pieces(const uint32_t* __restrict__ groups, uint64_t num_groups,
+                                               const float* __restrict__ scratch, uint64_t out_dim,
+                                               float* __restrict__ grad) {
+    const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    const uint64_t total = num_groups * out_dim;
+    for (uint64_t i = thread; i < total; i += threads) {
+        const uint64_t group = i / out_dim, col = i - group * out_dim;
+        const uint32_t key = groups[3 * group], first = groups[3 * group + 1], count = groups[3 * group + 2];
+        float sum = 0.0f;
+        for (uint32_t r = 0; r < count; ++r) sum += scratch[static_cast<uint64_t>(first + r) * out_dim + col];
+        grad[static_cast<uint64_t>(key) * out_dim + col] = sum;
+    }
+}
+
 }  // namespace
 
 #define SPARSE_FEATURE_ARGS                                                                                   \
@@ -345,7 +413,15 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
         NAME##_##SUFFIX(SPARSE_FEATURE_ARGS, const T* grad_out, float* grad) {                                \
         sparse_backward<T, VEC, LOADS>(SPARSE_BATCH, grad_out, grad);                                         \
     }
+#define SPARSE_GATHER(T, SUFFIX, NAME, VEC)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
+        NAME##_##SUFFIX(const uint32_t* pieces, uint64_t num_pieces, const uint32_t* rows, const float* values, \
+                        const T* grad_out, uint64_t out_dim, float* grad, float* scratch) {                    \
+        gather_pieces<T, VEC>(pieces, num_pieces, rows, values, grad_out, out_dim, grad, scratch);            \
+    }
 #define SPARSE_KERNELS(T, SUFFIX)                                        \
+    SPARSE_GATHER(T, SUFFIX, sparse_linear_bwd_sorted_vec, true)         \
+    SPARSE_GATHER(T, SUFFIX, sparse_linear_bwd_sorted_scalar, false)     \
     SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_vec2, true, 2, 4)        \
     SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_vec1, true, 1, 8)        \
     SPARSE_FORWARD(T, SUFFIX, sparse_linear_fwd_scalar, false, 4, 8)     \
@@ -353,3 +429,9 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
     SPARSE_BACKWARD(T, SUFFIX, sparse_linear_bwd_vec1, true, 1)          \
     SPARSE_BACKWARD(T, SUFFIX, sparse_linear_bwd_scalar, false, 4)
 FASTOPS_FLOAT_KERNELS(SPARSE_KERNELS)
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sparse_linear_bwd_combine(const uint32_t* groups, uint64_t num_groups, const float* scratch, uint64_t out_dim,
+                              float* grad) {
+    combine_pieces(groups, num_groups, scratch, out_dim, grad);
+}
