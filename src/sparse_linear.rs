@@ -793,6 +793,7 @@ mod cuda {
         weight_stride: u64,
         stripe_begin: u64,
         stripe_end: u64,
+        prefetch: u64,
         max_active: u32,
         perspectives: u32,
     }
@@ -832,19 +833,19 @@ mod cuda {
 
     impl StripePlan {
         /// `elem` is the size of the matrix the stripes cut (weight forward, f32 gradient
-        /// backward) and `group` its columns per 16-byte (vector) or 4-byte (scalar) access.
-        /// One 16-byte load per lane (512-byte rows) measured at least as fast as two on the
-        /// H200 (BENCHMARKS.md), and narrower stripes fit in L2 for more inputs. A launch covers
-        /// as many stripes as fit in half the L2 with all their rows.
+        /// backward), `group` its columns per 16-byte (vector) or 4-byte (scalar) access and
+        /// `loads` the 16-byte accesses per lane and row (1 or 2; the H200 sweeps in
+        /// BENCHMARKS.md favour 1 for f32, 2 for 2-byte weights). A launch covers as many stripes
+        /// as fit in the L2 with all their rows; the kernel prefetches the next stripe into L2
+        /// halfway through the current one.
         fn new(
             dev: &CudaDevice,
             f: &Features,
-            vec: bool,
-            group: usize,
-            elem: usize,
+            (vec, group, elem): (bool, usize, usize),
+            loads: u32,
             blocks_per_sm: u32,
         ) -> Result<Self> {
-            let loads = tuning("FASTOPS_SPARSE_LOADS").unwrap_or(1).clamp(1, 2) as usize;
+            let loads = tuning("FASTOPS_SPARSE_LOADS").unwrap_or(loads).clamp(1, 2) as usize;
             let (variant, stripe_cols) = match (vec, loads) {
                 (false, _) => ("scalar", 32 * 4),
                 (true, 1) => ("vec1", 32 * group),
@@ -854,7 +855,7 @@ mod cuda {
             let budget = match tuning("FASTOPS_SPARSE_L2_BUDGET_MB") {
                 Some(0) => usize::MAX,
                 Some(mb) => (mb as usize) << 20,
-                None => l2_bytes(dev)? / 2,
+                None => l2_bytes(dev)?,
             };
             let stripe_bytes = f.num_inputs.max(1).saturating_mul(stripe_cols * elem);
             let stripes_per_launch = (budget / stripe_bytes).clamp(1, stripes.max(1));
@@ -982,6 +983,7 @@ mod cuda {
             weight_stride: weight_stride as u64,
             stripe_begin,
             stripe_end,
+            prefetch: tuning("FASTOPS_SPARSE_PREFETCH").unwrap_or(1) as u64,
             max_active: u32::try_from(f.max_active)
                 .map_err(|_| candle_core::Error::Msg(format!("{OP}: max_active too large")))?,
             perspectives: f.sides.len() as u32,
@@ -1008,9 +1010,10 @@ mod cuda {
         let vec = [f.out, weight_stride, weight_start, bias_start]
             .iter()
             .all(|&n| n % width == 0);
-        // 80-96 registers per thread leave room for 2-3 blocks of 256 per SM; 2 measured best
-        // for 2-byte weights, 3 for f32.
-        let plan = StripePlan::new(dev, f, vec, width, elem, if elem == 4 { 3 } else { 2 })?;
+        // 72-96 registers per thread leave room for 2-3 blocks of 256 per SM; the sweeps
+        // measured 3 best for f32 (one load per lane), 2 for 2-byte weights (two loads).
+        let (loads, blocks) = if elem == 4 { (1, 3) } else { (2, 2) };
+        let plan = StripePlan::new(dev, f, (vec, width, elem), loads, blocks)?;
         let name = kernel_name::<T>(&format!("sparse_linear_fwd_{}", plan.variant));
         let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
         let cfg = plan.config(dev, tasks)?;
@@ -1048,7 +1051,7 @@ mod cuda {
             return Ok(());
         }
         let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
-        let plan = StripePlan::new(dev, f, vec, 4, 4, 4)?;
+        let plan = StripePlan::new(dev, f, (vec, 4, 4), 1, 4)?;
         let name = kernel_name::<T>(&format!("sparse_linear_bwd_{}", plan.variant));
         let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
         let cfg = plan.config(dev, tasks)?;
