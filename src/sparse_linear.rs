@@ -793,7 +793,6 @@ mod cuda {
         weight_stride: u64,
         stripe_begin: u64,
         stripe_end: u64,
-        prefetch: u64,
         max_active: u32,
         perspectives: u32,
     }
@@ -836,8 +835,8 @@ mod cuda {
         /// backward), `group` its columns per 16-byte (vector) or 4-byte (scalar) access and
         /// `loads` the 16-byte accesses per lane and row (1 or 2; the H200 sweeps in
         /// BENCHMARKS.md favour 1 for f32, 2 for 2-byte weights). A launch covers as many stripes
-        /// as fit in the L2 with all their rows; the kernel prefetches the next stripe into L2
-        /// halfway through the current one.
+        /// as fit in the L2 with all their rows (an L2 prefetch of the next stripe, tried,
+        /// gained nothing measurable).
         fn new(
             dev: &CudaDevice,
             f: &Features,
@@ -983,7 +982,6 @@ mod cuda {
             weight_stride: weight_stride as u64,
             stripe_begin,
             stripe_end,
-            prefetch: tuning("FASTOPS_SPARSE_PREFETCH").unwrap_or(1) as u64,
             max_active: u32::try_from(f.max_active)
                 .map_err(|_| candle_core::Error::Msg(format!("{OP}: max_active too large")))?,
             perspectives: f.sides.len() as u32,

@@ -35,7 +35,6 @@ struct SparseShape {
     uint64_t weight_stride; // elements between consecutive weight rows
     uint64_t stripe_begin;  // the launch covers column stripes [stripe_begin, stripe_end)
     uint64_t stripe_end;
-    uint64_t prefetch;      // nonzero: warm L2 with the next stripe's rows halfway through a stripe
     uint32_t max_active;
     uint32_t perspectives;  // 1 or 2
 };
@@ -46,14 +45,14 @@ struct SparseBatch {
     const float* values[2];     // null: every value is 1
     const uint8_t* side_first;  // [batch]; null: perspective p goes to half p
     uint32_t* error_flag;
-    uint64_t batch, num_inputs, out_dim, index_stride, weight_stride, stripe_begin, stripe_end, prefetch;
+    uint64_t batch, num_inputs, out_dim, index_stride, weight_stride, stripe_begin, stripe_end;
     uint32_t max_active, perspectives;
     __device__ __forceinline__ SparseBatch(const SparseShape& sh, const int32_t* idx0, const int32_t* idx1,
                                            const float* val0, const float* val1, const uint8_t* side)
         : indices{idx0, idx1}, values{val0, val1}, side_first(side), error_flag(sh.error_flag), batch(sh.batch),
           num_inputs(sh.num_inputs), out_dim(sh.out_dim), index_stride(sh.index_stride),
           weight_stride(sh.weight_stride), stripe_begin(sh.stripe_begin), stripe_end(sh.stripe_end),
-          prefetch(sh.prefetch),           max_active(sh.max_active), perspectives(sh.perspectives) {}
+                    max_active(sh.max_active), perspectives(sh.perspectives) {}
 };
 
 // The (position, perspective) of task t and the half of the output row it fills.
@@ -108,23 +107,6 @@ __device__ __forceinline__ FeatureChunk load_features(const SparseBatch& s, cons
     chunk.index = index;
     chunk.value = value;
     return chunk;
-}
-
-// Asks L2 for this warp's share of columns [first_col, end_col) of `rows` rows (elem bytes each,
-// rows row_stride elements apart): the next stripe's first touches then find their lines in L2
-// instead of waiting on DRAM while the current stripe is still being gathered.
-__device__ __forceinline__ void prefetch_stripe(const void* base, uint64_t rows, uint64_t row_stride,
-                                                uint64_t first_col, uint64_t end_col, uint64_t elem,
-                                                uint64_t warp, uint64_t warps, int lane) {
-    if (end_col <= first_col) return;
-    const uint64_t bytes = (end_col - first_col) * elem;
-    const uint64_t lines = (bytes + 127) / 128;
-    const char* start = static_cast<const char*>(base) + first_col * elem;
-    for (uint64_t i = warp * 32 + lane; i < rows * lines; i += warps * 32) {
-        const uint64_t row = i / lines, line = i - row * lines;
-        const char* p = start + row * row_stride * elem + min(line * 128, bytes - 1);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
 }
 
 // E adjacent columns moved as one unit: a 16-byte vector, or one element for the scalar form
@@ -187,13 +169,7 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
             in_range[l] = col[l] < n_out;
             G::unpack(in_range[l] ? G::load(bias + col[l]) : G::zero(), bias_part[l]);
         }
-        bool prefetched = s.prefetch == 0 || stripe + 1 >= stripes;
         for (uint64_t t = warp; t < tasks; t += warps) {
-            if (!prefetched && t >= tasks / 2) {
-                prefetch_stripe(weight, s.num_inputs, s.weight_stride, (stripe + 1) * STRIPE,
-                                min((stripe + 2) * STRIPE, n_out), sizeof(T), warp, warps, lane);
-                prefetched = true;
-            }
             const Task task(s, t);
             float acc[LOADS][E];
 #pragma unroll
@@ -303,13 +279,7 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
 #pragma unroll
             for (int e = 0; e < E; ++e) bias_sum[l][e] = 0.0f;
         }
-        bool prefetched = s.prefetch == 0 || stripe + 1 >= stripes;
         for (uint64_t t = warp; t < tasks; t += warps) {
-            if (!prefetched && t >= tasks / 2) {
-                prefetch_stripe(grad, s.num_inputs, n_out, (stripe + 1) * STRIPE, min((stripe + 2) * STRIPE, n_out),
-                                sizeof(float), warp, warps, lane);
-                prefetched = true;
-            }
             const Task task(s, t);
             const T* src = grad_out + task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
             float g[LOADS][E];
