@@ -8,7 +8,7 @@
 //! | [`sparse_linear`] / [`sparse_linear_pair`] / [`FeatureTransformer`] | NNUE input layer (sparse feature transformer), forward and backward | implemented |
 //! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
-//! | small_fc_lopt | learned optimizer as a `candle_nn::Optimizer` | planned |
+//! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer` (composed candle ops; fused kernels planned) | implemented |
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -49,6 +49,7 @@ mod cpu;
 mod cuda;
 mod determinism;
 mod dispatch;
+pub mod optim;
 mod poison;
 mod reduce_plan;
 mod softmax;

@@ -1,0 +1,22 @@
+//! Optimizers implementing [`candle_nn::Optimizer`].
+//!
+//! [`SmallFcLOpt`] is the small_fc_lopt learned optimizer (google/learned_optimization's
+//! `AdafacMLPLOpt`, with the pretrained MLP weights PyLO and μLO publish):
+//!
+//! ```no_run
+//! use candle_core::{DType, Device};
+//! use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+//! use candle_nn::{Optimizer, VarMap};
+//! let dev = Device::Cpu;
+//! let varmap = VarMap::new();
+//! // ... build a model from VarBuilder::from_varmap(&varmap, DType::F32, &dev) ...
+//! let mlp = MlpWeights::from_safetensors("small_fc_lopt.safetensors", &dev)?;
+//! let mut opt = SmallFcLOpt::new(varmap.all_vars(), ParamsSmallFcLOpt::new(mlp))?;
+//! // each training step: opt.backward_step(&loss)?;
+//! opt.save_state("lopt_state.safetensors")?; // resume later with opt.load_state(...)
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+mod small_fc_lopt;
+
+pub use small_fc_lopt::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

@@ -1,0 +1,322 @@
+mod common;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_fastops::optim::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};
+use candle_nn::Optimizer;
+use common::*;
+use std::collections::HashMap;
+
+const GOLDEN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/small_fc_lopt_golden.safetensors"
+);
+const MLP: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/small_fc_lopt_mlp.safetensors"
+);
+const STEPS: usize = 6;
+
+struct Golden {
+    tensors: HashMap<String, Tensor>,
+    cases: Vec<String>,
+}
+
+fn golden() -> Result<Golden> {
+    let bytes = std::fs::read(GOLDEN)?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    // The configs the vectors were made with: the test applies the same overrides.
+    assert_eq!(meta["steps"], STEPS.to_string());
+    assert_eq!(
+        meta["configs"],
+        r#"{"default": {}, "lr_wd": {"lr": 0.5, "weight_decay": 0.01}}"#
+    );
+    let tensors = candle_core::safetensors::load(GOLDEN, &Device::Cpu)?;
+    let mut cases: Vec<String> = tensors
+        .keys()
+        .filter_map(|k| k.strip_prefix("default.")?.strip_suffix(".param.0"))
+        .map(str::to_string)
+        .collect();
+    cases.sort();
+    assert_eq!(cases.len(), 6, "golden cases: {cases:?}");
+    Ok(Golden { tensors, cases })
+}
+
+fn params_for(config: &str, mlp: MlpWeights) -> ParamsSmallFcLOpt {
+    let mut params = ParamsSmallFcLOpt::new(mlp);
+    if config == "lr_wd" {
+        params.lr = 0.5;
+        params.weight_decay = 0.01;
+    }
+    params
+}
+
+/// Replays `steps` of the golden run of `config` on `dev` from step `from` (vars and optimizer
+/// given), checking every parameter after every step against the vectors.
+fn replay(
+    g: &Golden,
+    config: &str,
+    vars: &[Var],
+    opt: &mut SmallFcLOpt,
+    steps: std::ops::RangeInclusive<usize>,
+    tol: f64,
+) -> Result<f64> {
+    let dev = vars[0].device().clone();
+    let mut worst = 0f64;
+    for t in steps {
+        let mut grads = GradStore::default();
+        for (case, var) in g.cases.iter().zip(vars) {
+            let grad = g.tensors[&format!("{config}.{case}.grad.{t}")].to_device(&dev)?;
+            grads.insert(var.as_tensor(), grad);
+        }
+        opt.step(&grads)?;
+        for (case, var) in g.cases.iter().zip(vars) {
+            let expected = to_f64(&g.tensors[&format!("{config}.{case}.param.{t}")])?;
+            let actual = to_f64(var.as_tensor())?;
+            // Relative error of the tensor: max |a - e| over max |e|.
+            let scale = expected.iter().fold(0f64, |m, e| m.max(e.abs())).max(1e-12);
+            let (i, diff) = actual
+                .iter()
+                .zip(&expected)
+                .map(|(a, e)| (a - e).abs())
+                .enumerate()
+                .fold((0, 0f64), |best, (i, d)| {
+                    if d > best.1 || d.is_nan() {
+                        (i, d)
+                    } else {
+                        best
+                    }
+                });
+            let err = diff / scale;
+            worst = worst.max(err);
+            assert!(
+                err <= tol,
+                "{config}.{case} step {t}: element {i} is {} vs golden {} (relative error {err:.2e})",
+                actual[i],
+                expected[i]
+            );
+        }
+    }
+    Ok(worst)
+}
+
+fn fresh_vars(g: &Golden, config: &str, dev: &Device) -> Result<Vec<Var>> {
+    g.cases
+        .iter()
+        .map(|case| {
+            Var::from_tensor(&g.tensors[&format!("{config}.{case}.param.0")].to_device(dev)?)
+        })
+        .collect()
+}
+
+#[test]
+fn golden_vectors_every_case_both_configs() -> Result<()> {
+    let g = golden()?;
+    for_each_device(|dev| {
+        let tol = if dev.is_cpu() { 1e-5 } else { 1e-4 };
+        for config in ["default", "lr_wd"] {
+            let vars = fresh_vars(&g, config, dev)?;
+            let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+            let mut opt = SmallFcLOpt::new(vars.clone(), params_for(config, mlp))?;
+            let worst = replay(&g, config, &vars, &mut opt, 1..=STEPS, tol)?;
+            eprintln!(
+                "{config} on {:?}: worst relative error {worst:.2e}",
+                dev.location()
+            );
+            assert_eq!(opt.steps_taken(), STEPS as u64);
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn saved_state_resumes_exactly() -> Result<()> {
+    let g = golden()?;
+    let path =
+        std::env::temp_dir().join(format!("fastops-lopt-{}.safetensors", std::process::id()));
+    for_each_device(|dev| {
+        let tol = if dev.is_cpu() { 1e-5 } else { 1e-4 };
+        let vars = fresh_vars(&g, "lr_wd", dev)?;
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let mut opt = SmallFcLOpt::new(vars.clone(), params_for("lr_wd", mlp.clone()))?;
+        replay(&g, "lr_wd", &vars, &mut opt, 1..=3, tol)?;
+        opt.save_state(&path)?;
+        drop(opt);
+        // A new optimizer over the same variables picks up at step 4.
+        let mut resumed = SmallFcLOpt::new(vars.clone(), params_for("lr_wd", mlp))?;
+        resumed.load_state(&path)?;
+        assert_eq!(resumed.steps_taken(), 3);
+        replay(&g, "lr_wd", &vars, &mut resumed, 4..=STEPS, tol)?;
+        Ok(())
+    });
+    std::fs::remove_file(&path).ok();
+    Ok(())
+}
+
+#[test]
+fn mlp_weights_errors_name_the_tensor() -> Result<()> {
+    let good = candle_core::safetensors::load(MLP, &Device::Cpu)?;
+    let check = |map: HashMap<String, Tensor>, needle: &str| {
+        let e = MlpWeights::from_tensors(&map)
+            .expect_err(needle)
+            .to_string();
+        assert!(e.contains(needle), "{e:?} does not mention {needle:?}");
+    };
+    let mut missing = good.clone();
+    missing.remove("network.linear_0.bias");
+    check(missing, "missing tensor `network.linear_0.bias`");
+    let mut reshaped = good.clone();
+    reshaped.insert(
+        "network.output.weight".into(),
+        Tensor::zeros((32, 2), DType::F32, &Device::Cpu)?,
+    );
+    check(reshaped, "`network.output.weight` has shape [32, 2]");
+    let mut half = good.clone();
+    half.insert(
+        "network.input.bias".into(),
+        good["network.input.bias"].to_dtype(DType::F16)?,
+    );
+    check(half, "`network.input.bias` is F16");
+    let e = MlpWeights::from_safetensors("/nonexistent/lopt.safetensors", &Device::Cpu)
+        .expect_err("missing file")
+        .to_string();
+    assert!(e.contains("/nonexistent/lopt.safetensors"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn bad_variables_and_gradients_are_errors_without_partial_updates() -> Result<()> {
+    for_each_device(|dev| {
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let ints = Var::from_tensor(&Tensor::new(&[1u32, 2], dev)?)?;
+        let e = SmallFcLOpt::new(vec![ints], ParamsSmallFcLOpt::new(mlp.clone()))
+            .expect_err("u32 variable")
+            .to_string();
+        assert!(e.contains("not a float dtype"), "{e}");
+        if let Some(gpu) = gpu() {
+            let a = Var::zeros(3, DType::F32, &Device::Cpu)?;
+            let b = Var::zeros(3, DType::F32, &gpu)?;
+            let e = SmallFcLOpt::new(vec![a, b], ParamsSmallFcLOpt::new(mlp.clone()))
+                .expect_err("mixed devices")
+                .to_string();
+            assert!(e.contains("mixed devices"), "{e}");
+        }
+        let a = Var::from_tensor(&rand_tensor(&[4, 5], 1.0, DType::F32, dev, 1)?)?;
+        let b = Var::from_tensor(&rand_tensor(&[6], 1.0, DType::F32, dev, 2)?)?;
+        let mut opt = SmallFcLOpt::new(vec![a.clone(), b.clone()], ParamsSmallFcLOpt::new(mlp))?;
+        let before = (to_f64(a.as_tensor())?, to_f64(b.as_tensor())?);
+        let mut grads = GradStore::default();
+        grads.insert(
+            a.as_tensor(),
+            rand_tensor(&[4, 5], 1.0, DType::F32, dev, 3)?,
+        );
+        grads.insert(b.as_tensor(), rand_tensor(&[7], 1.0, DType::F32, dev, 4)?);
+        let e = opt
+            .step(&grads)
+            .expect_err("wrong gradient shape")
+            .to_string();
+        assert!(e.contains("gradient of variable 1 has shape [7]"), "{e}");
+        assert_eq!(
+            to_f64(a.as_tensor())?,
+            before.0,
+            "variable 0 changed before the error"
+        );
+        assert_eq!(to_f64(b.as_tensor())?, before.1);
+        assert_eq!(opt.steps_taken(), 0);
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn any_rank_and_float_dtype_and_missing_gradients() -> Result<()> {
+    for_each_device(|dev| {
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let mut vars = Vec::new();
+        for (i, (shape, dtype)) in [
+            (vec![], DType::F32),
+            (vec![7], DType::BF16),
+            (vec![5, 3], DType::F16),
+            (vec![2, 3, 4, 5], DType::F32),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            vars.push(Var::from_tensor(&rand_tensor(
+                &shape,
+                1.0,
+                dtype,
+                dev,
+                10 + i as u64,
+            )?)?);
+        }
+        let frozen = Var::from_tensor(&rand_tensor(&[3], 1.0, DType::F32, dev, 20)?)?;
+        let all: Vec<Var> = vars.iter().cloned().chain([frozen.clone()]).collect();
+        let mut opt = SmallFcLOpt::new(all, ParamsSmallFcLOpt::new(mlp))?;
+        let frozen_before = to_f64(frozen.as_tensor())?;
+        for step in 0..3u64 {
+            let mut grads = GradStore::default();
+            for (i, v) in vars.iter().enumerate() {
+                let g = rand_tensor(v.dims(), 1.0, DType::F32, dev, 30 + step * 10 + i as u64)?;
+                grads.insert(v.as_tensor(), g.to_dtype(v.dtype())?);
+            }
+            let before: Vec<Vec<f64>> = vars
+                .iter()
+                .map(|v| to_f64(v.as_tensor()))
+                .collect::<Result<_>>()?;
+            opt.step(&grads)?;
+            for (v, b) in vars.iter().zip(&before) {
+                assert_eq!(v.dtype(), v.as_tensor().dtype());
+                let after = to_f64(v.as_tensor())?;
+                assert!(after.iter().all(|x| x.is_finite()), "non-finite parameter");
+                assert!(
+                    after != *b,
+                    "a variable with a gradient did not move ({:?})",
+                    v.dims()
+                );
+            }
+        }
+        assert_eq!(
+            to_f64(frozen.as_tensor())?,
+            frozen_before,
+            "a variable without gradient moved"
+        );
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn non_finite_gradients_policies() -> Result<()> {
+    for_each_device(|dev| {
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let grad = Tensor::new(&[1f32, f32::NAN, -2.0, f32::INFINITY], dev)?;
+        for policy in [
+            NonFiniteGrads::Propagate,
+            NonFiniteGrads::Zero,
+            NonFiniteGrads::SkipTensor,
+        ] {
+            let v = Var::from_tensor(&Tensor::new(&[0.5f32, -0.5, 1.0, 2.0], dev)?)?;
+            let mut params = ParamsSmallFcLOpt::new(mlp.clone());
+            params.non_finite = policy;
+            let mut opt = SmallFcLOpt::new(vec![v.clone()], params)?;
+            let mut grads = GradStore::default();
+            grads.insert(v.as_tensor(), grad.clone());
+            opt.step(&grads)?;
+            let after = to_f64(v.as_tensor())?;
+            match policy {
+                NonFiniteGrads::Propagate => assert!(after.iter().all(|x| x.is_nan()), "{after:?}"),
+                NonFiniteGrads::Zero => {
+                    assert!(after.iter().all(|x| x.is_finite()), "{after:?}");
+                    assert_ne!(after, vec![0.5, -0.5, 1.0, 2.0]);
+                }
+                NonFiniteGrads::SkipTensor => assert_eq!(after, vec![0.5, -0.5, 1.0, 2.0]),
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
