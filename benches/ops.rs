@@ -18,6 +18,8 @@ struct Bench {
     device: Device,
     filters: Vec<String>,
     rows: Vec<Row>,
+    /// (warm-up, timed) calls; `None` for the defaults (10/50 on CUDA, 2/11 on the CPU).
+    iterations: Option<(usize, usize)>,
 }
 
 struct Row {
@@ -56,10 +58,10 @@ impl Bench {
 
     /// Median wall time of `f` in microseconds.
     fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        let (warmup, iters) = if self.device.is_cuda() {
-            (10, 50)
-        } else {
-            (2, 11)
+        let (warmup, iters) = match self.iterations {
+            Some(counts) => counts,
+            None if self.device.is_cuda() => (10, 50),
+            None => (2, 11),
         };
         for _ in 0..warmup {
             f()?;
@@ -557,6 +559,96 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
+/// Parameter shapes of a GPT-2-style stack: the token embedding plus `layers` blocks of 12
+/// tensors (two layer norms, attention qkv and projection, MLP in and out, with biases).
+fn gpt2_shapes(vocab: usize, width: usize, layers: usize) -> Vec<Vec<usize>> {
+    let mut shapes = vec![vec![vocab, width]];
+    for _ in 0..layers {
+        shapes.extend([
+            vec![width],
+            vec![width],
+            vec![width, 3 * width],
+            vec![3 * width],
+            vec![width, width],
+            vec![width],
+            vec![width],
+            vec![width],
+            vec![width, 4 * width],
+            vec![4 * width],
+            vec![4 * width, width],
+            vec![width],
+        ]);
+    }
+    shapes
+}
+
+fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
+    use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+    use candle_nn::Optimizer;
+    const OP: &str = "small_fc_lopt";
+    if !b.wants(OP) {
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    let mlp_path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/small_fc_lopt_mlp.safetensors"
+    );
+    let mlp = MlpWeights::from_safetensors(mlp_path, &dev)?;
+    // (name, shapes): the GPT-2-medium set (354M in 289 tensors) and 152M in 97.
+    let sets: Vec<(&str, Vec<Vec<usize>>)> = if dev.is_cuda() {
+        vec![
+            ("gpt2-medium 354M/289", gpt2_shapes(50257, 1024, 24)),
+            ("152M/97", gpt2_shapes(50257, 1024, 8)),
+        ]
+    } else {
+        vec![("2x256 blocks 1.6M/25", gpt2_shapes(1024, 256, 2))]
+    };
+    b.iterations = Some(if dev.is_cuda() { (3, 10) } else { (1, 5) });
+    for (name, shapes) in sets {
+        let vars: Vec<candle_core::Var> = shapes
+            .iter()
+            .map(|s| candle_core::Var::from_tensor(&(randn(s, DType::F32, &dev)? * 0.02)?))
+            .collect::<Result<_>>()?;
+        let mut grads = candle_core::backprop::GradStore::default();
+        for v in &vars {
+            grads.insert(v.as_tensor(), (randn(v.dims(), DType::F32, &dev)? * 1e-3)?);
+        }
+        let params: usize = vars.iter().map(|v| v.elem_count()).sum();
+        // Bytes per element per step: read p, g, 4 state; write p, 4 state (twice over the
+        // elementwise state: the accumulators are updated, then read again by both passes).
+        let bytes = params as f64 * 4.0 * 18.0;
+        let mut lopt = SmallFcLOpt::new(vars.clone(), ParamsSmallFcLOpt::new(mlp.clone()))?;
+        let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
+        b.compare(
+            OP,
+            &format!("{name} step (fused)"),
+            DType::F32,
+            Work::Bytes(bytes),
+            || lopt.step(&grads),
+            "candle_nn AdamW step",
+            || adamw.step(&grads),
+        )?;
+        if !dev.is_cuda() {
+            let mut params = ParamsSmallFcLOpt::new(mlp.clone());
+            params.fused = false;
+            let mut composed = SmallFcLOpt::new(vars.clone(), params)?;
+            let mut lopt = SmallFcLOpt::new(vars.clone(), ParamsSmallFcLOpt::new(mlp.clone()))?;
+            b.compare(
+                OP,
+                &format!("{name} step (fused vs composed)"),
+                DType::F32,
+                Work::Bytes(bytes),
+                || lopt.step(&grads),
+                "composed candle ops (reference)",
+                || composed.step(&grads),
+            )?;
+        }
+    }
+    b.iterations = None;
+    Ok(())
+}
+
 fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
     candle_fastops::bias_add(xs, bias, dim).map(drop)
 }
@@ -578,11 +670,13 @@ fn main() -> Result<()> {
         device,
         filters,
         rows: Vec::new(),
+        iterations: None,
     };
     print_header();
     bench_bias_add(&mut bench)?;
     bench_softmax(&mut bench)?;
     bench_sparse_linear(&mut bench)?;
+    bench_small_fc_lopt(&mut bench)?;
     match bench.write_jsonl() {
         Ok(path) => println!("rows appended to {}", path.display()),
         Err(e) => eprintln!("could not write bench rows: {e}"),

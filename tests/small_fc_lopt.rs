@@ -45,7 +45,12 @@ fn golden() -> Result<Golden> {
 }
 
 fn params_for(config: &str, mlp: MlpWeights) -> ParamsSmallFcLOpt {
+    params_with(config, mlp, true)
+}
+
+fn params_with(config: &str, mlp: MlpWeights, fused: bool) -> ParamsSmallFcLOpt {
     let mut params = ParamsSmallFcLOpt::new(mlp);
+    params.fused = fused;
     if config == "lr_wd" {
         params.lr = 0.5;
         params.weight_decay = 0.01;
@@ -116,16 +121,18 @@ fn golden_vectors_every_case_both_configs() -> Result<()> {
     let g = golden()?;
     for_each_device(|dev| {
         let tol = if dev.is_cpu() { 1e-5 } else { 1e-4 };
-        for config in ["default", "lr_wd"] {
-            let vars = fresh_vars(&g, config, dev)?;
-            let mlp = MlpWeights::from_safetensors(MLP, dev)?;
-            let mut opt = SmallFcLOpt::new(vars.clone(), params_for(config, mlp))?;
-            let worst = replay(&g, config, &vars, &mut opt, 1..=STEPS, tol)?;
-            eprintln!(
-                "{config} on {:?}: worst relative error {worst:.2e}",
-                dev.location()
-            );
-            assert_eq!(opt.steps_taken(), STEPS as u64);
+        for fused in [true, false] {
+            for config in ["default", "lr_wd"] {
+                let vars = fresh_vars(&g, config, dev)?;
+                let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+                let mut opt = SmallFcLOpt::new(vars.clone(), params_with(config, mlp, fused))?;
+                let worst = replay(&g, config, &vars, &mut opt, 1..=STEPS, tol)?;
+                eprintln!(
+                    "{config} on {:?} (fused {fused}): worst relative error {worst:.2e}",
+                    dev.location()
+                );
+                assert_eq!(opt.steps_taken(), STEPS as u64);
+            }
         }
         Ok(())
     });
@@ -314,6 +321,74 @@ fn non_finite_gradients_policies() -> Result<()> {
                     assert_ne!(after, vec![0.5, -0.5, 1.0, 2.0]);
                 }
                 NonFiniteGrads::SkipTensor => assert_eq!(after, vec![0.5, -0.5, 1.0, 2.0]),
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
+    for_each_device(|dev| {
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let shapes: Vec<Vec<usize>> = vec![
+            vec![257, 129],
+            vec![64, 64],
+            vec![3, 50, 7],
+            vec![2, 1, 9, 31],
+            vec![1000],
+            vec![],
+        ];
+        let make = |salt: u64| -> Result<Vec<Var>> {
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Var::from_tensor(&rand_tensor(s, 1.0, DType::F32, dev, salt + i as u64)?)
+                })
+                .collect()
+        };
+        let (fused_vars, composed_vars) = (make(100)?, make(100)?);
+        let mut params = ParamsSmallFcLOpt::new(mlp);
+        params.weight_decay = 0.01;
+        params.lr = 0.7;
+        let mut fused = SmallFcLOpt::new(fused_vars.clone(), params.clone())?;
+        params.fused = false;
+        let mut composed = SmallFcLOpt::new(composed_vars.clone(), params)?;
+        for step in 0..4u64 {
+            let (mut gf, mut gc) = (GradStore::default(), GradStore::default());
+            for (i, (f, c)) in fused_vars.iter().zip(&composed_vars).enumerate() {
+                // Row/column-scaled gradients, so the Adafactor factors matter.
+                let g = rand_tensor(f.dims(), 1.0, DType::F32, dev, 200 + step * 10 + i as u64)?;
+                let g = if f.rank() >= 2 {
+                    let rows =
+                        rand_tensor(&[f.dim(0)?], 3.0, DType::F32, dev, 300 + i as u64)?.exp()?;
+                    let shape: Vec<usize> = (0..f.rank())
+                        .map(|d| if d == 0 { f.dim(0).unwrap() } else { 1 })
+                        .collect();
+                    g.broadcast_mul(&rows.reshape(shape)?)?
+                } else {
+                    g
+                };
+                gf.insert(f.as_tensor(), g.clone());
+                gc.insert(c.as_tensor(), g);
+            }
+            fused.step(&gf)?;
+            composed.step(&gc)?;
+            for (f, c) in fused_vars.iter().zip(&composed_vars) {
+                let (a, e) = (to_f64(f.as_tensor())?, to_f64(c.as_tensor())?);
+                let scale = e.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-12);
+                let diff = a
+                    .iter()
+                    .zip(&e)
+                    .fold(0f64, |m, (a, e)| m.max((a - e).abs()));
+                assert!(
+                    diff / scale <= 2e-5,
+                    "fused vs composed, shape {:?}, step {step}: relative error {:.2e}",
+                    f.dims(),
+                    diff / scale
+                );
             }
         }
         Ok(())

@@ -17,6 +17,7 @@ pub(crate) enum Module {
     BiasAdd,
     Softmax,
     SparseLinear,
+    SmallFcLOpt,
 }
 
 impl Module {
@@ -25,6 +26,7 @@ impl Module {
             Module::BiasAdd => "candle_fastops_bias_add",
             Module::Softmax => "candle_fastops_softmax",
             Module::SparseLinear => "candle_fastops_sparse_linear",
+            Module::SmallFcLOpt => "candle_fastops_small_fc_lopt",
         }
     }
 
@@ -33,6 +35,7 @@ impl Module {
             Module::BiasAdd => ptx::BIAS_ADD,
             Module::Softmax => ptx::SOFTMAX,
             Module::SparseLinear => ptx::SPARSE_LINEAR,
+            Module::SmallFcLOpt => ptx::SMALL_FC_LOPT,
         }
     }
 }

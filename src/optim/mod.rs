@@ -17,6 +17,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+mod fused;
 mod small_fc_lopt;
 
 pub use small_fc_lopt::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

@@ -9,6 +9,7 @@
 //! activations of the largest tensor, so its memory peaks at about 260 bytes per element of that
 //! tensor. Fused kernels are future work (see BENCHMARKS.md).
 
+use super::fused::{self, FusedFactors, FusedTensor};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -150,6 +151,10 @@ pub struct ParamsSmallFcLOpt {
     pub adafactor_offsets: [f64; 3],
     /// Handling of NaN / infinite gradients.
     pub non_finite: NonFiniteGrads,
+    /// `true` (default): the fused per-element passes (CPU threads or CUDA kernels), which never
+    /// materialise the features. `false`: the reference built from candle ops, which stacks the
+    /// `[28, n]` features and `[32, n]` activations of each tensor (for testing).
+    pub fused: bool,
     /// The MLP.
     pub mlp: MlpWeights,
 }
@@ -166,6 +171,7 @@ impl ParamsSmallFcLOpt {
             rms_offset: 0.01079706,
             adafactor_offsets: [0.18621896, -0.10864615, -0.06185547],
             non_finite: NonFiniteGrads::Propagate,
+            fused: true,
             mlp,
         }
     }
@@ -251,6 +257,107 @@ struct Decays {
     momentum: [f64; 3],
     rms: f64,
     adafactor: [f64; 3],
+}
+
+/// One tensor's accumulators after this step's gradient, and for matrices the per-row and
+/// per-column Adafactor scales derived from them.
+struct Accumulators {
+    momentum: [Tensor; 3],
+    rms: Tensor,
+    factors: Factors,
+    /// `(row_factor[k], col_factor[k])` for matrices (axis d0 resp. d1 kept with size 1).
+    scaled: Option<([Tensor; 3], [Tensor; 3])>,
+}
+
+impl Accumulators {
+    fn update(state: &TensorState, g: &Tensor, decays: &Decays) -> Result<Self> {
+        let momentum: [Tensor; 3] = [
+            ema(&state.momentum[0], g, decays.momentum[0])?,
+            ema(&state.momentum[1], g, decays.momentum[1])?,
+            ema(&state.momentum[2], g, decays.momentum[2])?,
+        ];
+        let g2 = g.sqr()?;
+        let rms = ema(&state.rms, &g2, decays.rms)?;
+        let g2 = (g2 + 1e-30)?;
+        let (factors, scaled) = match &state.factors {
+            Factors::Matrix { d0, d1, row, col } => {
+                let (d0, d1) = (*d0, *d1);
+                let row_mean = g2.mean_keepdim(d0)?;
+                let col_mean = g2.mean_keepdim(d1)?;
+                let (mut new_row, mut new_col) = (Vec::new(), Vec::new());
+                let (mut row_factors, mut col_factors) = (Vec::new(), Vec::new());
+                for k in 0..3 {
+                    let r = ema(&row[k], &row_mean, decays.adafactor[k])?;
+                    let c = ema(&col[k], &col_mean, decays.adafactor[k])?;
+                    let row_factor = srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1)? + 1e-9)?)?)?;
+                    row_factors.push(row_factor);
+                    col_factors.push(srsqrt(&c)?);
+                    new_row.push(r);
+                    new_col.push(c);
+                }
+                (
+                    Factors::Matrix {
+                        d0,
+                        d1,
+                        row: new_row.try_into().expect("three"),
+                        col: new_col.try_into().expect("three"),
+                    },
+                    Some((
+                        row_factors.try_into().expect("three"),
+                        col_factors.try_into().expect("three"),
+                    )),
+                )
+            }
+            Factors::Vector { full } => {
+                let full: Vec<Tensor> = (0..3)
+                    .map(|k| ema(&full[k], &g2, decays.adafactor[k]))
+                    .collect::<Result<_>>()?;
+                (
+                    Factors::Vector {
+                        full: full.try_into().expect("three"),
+                    },
+                    None,
+                )
+            }
+        };
+        Ok(Self {
+            momentum,
+            rms,
+            factors,
+            scaled,
+        })
+    }
+}
+
+/// The MLP as one step uses it: the first layer's bias with the 11 time features folded in,
+/// and (for the fused passes) every weight packed into one buffer.
+struct StepMlp {
+    first_bias: Tensor,
+    packed: Tensor,
+}
+
+impl StepMlp {
+    fn new(mlp: &MlpWeights, time: &Tensor) -> Result<Self> {
+        let [w_in, b_in, w_1, b_1, w_out, b_out] = &mlp.tensors;
+        let first_bias = (w_in
+            .narrow(1, NORMALISED, TIME_SCALES.len())?
+            .matmul(time)?
+            .squeeze(1)?
+            + b_in)?;
+        let packed = Tensor::cat(
+            &[
+                &w_in.narrow(1, 0, NORMALISED)?.flatten_all()?,
+                &first_bias,
+                &w_1.flatten_all()?,
+                b_1,
+                &w_out.flatten_all()?,
+                b_out,
+            ],
+            0,
+        )?;
+        debug_assert_eq!(packed.elem_count(), fused::MLP_FLOATS);
+        Ok(Self { first_bias, packed })
+    }
 }
 
 /// small_fc_lopt as a [`candle_nn::Optimizer`]: `SmallFcLOpt::new(vars, params)`, then
@@ -363,11 +470,11 @@ impl candle_nn::Optimizer for SmallFcLOpt {
                 decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
             }),
         };
-        let time = self.time_features()?;
+        let mlp = StepMlp::new(&self.params.mlp, &self.time_features()?)?;
         // Compute every new state and parameter, then commit them all.
         let mut updates = Vec::with_capacity(work.len());
         for (i, grad) in work {
-            if let Some(update) = self.tensor_step(&self.states[i], &grad, &decays, &time)? {
+            if let Some(update) = self.tensor_step(&self.states[i], &grad, &decays, &mlp)? {
                 updates.push((i, update));
             }
         }
@@ -430,7 +537,7 @@ impl SmallFcLOpt {
         state: &TensorState,
         grad: &Tensor,
         decays: &Decays,
-        time: &Tensor,
+        mlp: &StepMlp,
     ) -> Result<Option<(TensorState, Tensor)>> {
         let shape = state.shape.as_slice();
         let mut g = grad.to_dtype(DType::F32)?.reshape(shape)?;
@@ -448,72 +555,120 @@ impl SmallFcLOpt {
             }
         }
         let p = state.var.as_tensor().to_dtype(DType::F32)?.reshape(shape)?;
-        let momentum: [Tensor; 3] = [
-            ema(&state.momentum[0], &g, decays.momentum[0])?,
-            ema(&state.momentum[1], &g, decays.momentum[1])?,
-            ema(&state.momentum[2], &g, decays.momentum[2])?,
-        ];
-        let g2 = g.sqr()?;
-        let rms = ema(&state.rms, &g2, decays.rms)?;
-        let g2 = (g2 + 1e-30)?;
+        let acc = Accumulators::update(state, &g, decays)?;
+        let new_p = if self.params.fused {
+            self.fused_update(shape, &g, &p, &acc, mlp)?
+        } else {
+            self.composed_update(shape, &g, &p, &acc, mlp)?
+        };
+        let new_p = new_p
+            .reshape(state.var.dims())?
+            .to_dtype(state.var.dtype())?;
+        Ok(Some((
+            TensorState {
+                var: state.var.clone(),
+                shape: state.shape.clone(),
+                momentum: acc.momentum,
+                rms: acc.rms,
+                factors: acc.factors,
+            },
+            new_p,
+        )))
+    }
 
+    /// Fused passes: feature norms, then features + MLP + update, never materialising the
+    /// features.
+    fn fused_update(
+        &self,
+        shape: &[usize],
+        g: &Tensor,
+        p: &Tensor,
+        acc: &Accumulators,
+        mlp: &StepMlp,
+    ) -> Result<Tensor> {
+        let n = g.elem_count();
+        let flat = |t: &Tensor| t.contiguous();
+        let factors = match (&acc.factors, &acc.scaled) {
+            (Factors::Matrix { d0, d1, row, col }, Some((row_factor, col_factor))) => {
+                let stride = |d: usize| shape[d + 1..].iter().product::<usize>();
+                FusedFactors::Matrix {
+                    row: row.clone(),
+                    col: col.clone(),
+                    row_factor: row_factor.clone(),
+                    col_factor: col_factor.clone(),
+                    axis0: (stride(*d0), shape[*d0]),
+                    axis1: (stride(*d1), shape[*d1]),
+                }
+            }
+            (Factors::Vector { full }, _) => FusedFactors::Vector { full: full.clone() },
+            _ => bail!("{OPT}: internal error, matrix factors without their scales"),
+        };
+        let t = FusedTensor {
+            grad: flat(g)?,
+            param: flat(p)?,
+            momentum: acc.momentum.clone(),
+            rms: acc.rms.clone(),
+            factors,
+        };
+        let sums = fused::feature_sums(&t)?;
+        let scale = ((sums / n.max(1) as f64)? + 1e-5)?.sqrt()?.recip()?;
+        let hyper = fused::Hyper {
+            step_mult: self.params.step_mult as f32,
+            exp_mult: self.params.exp_mult as f32,
+            lr: self.params.lr as f32,
+            weight_decay: self.params.weight_decay as f32,
+        };
+        fused::mlp_update(&t, &scale, &mlp.packed, hyper)
+    }
+
+    /// The reference: every feature as a tensor, stacked `[28, n]`, the MLP as matmuls.
+    fn composed_update(
+        &self,
+        shape: &[usize],
+        g: &Tensor,
+        p: &Tensor,
+        acc: &Accumulators,
+        mlp: &StepMlp,
+    ) -> Result<Tensor> {
+        let momentum = &acc.momentum;
         let mut fac_g = Vec::with_capacity(3);
         let mut row_feat = Vec::with_capacity(3);
         let mut col_feat = Vec::with_capacity(3);
         let mut fac_m = Vec::with_capacity(3);
-        let factors = match &state.factors {
-            Factors::Matrix { d0, d1, row, col } => {
-                let (d0, d1) = (*d0, *d1);
-                let row_mean = g2.mean_keepdim(d0)?;
-                let col_mean = g2.mean_keepdim(d1)?;
-                let mut new_row = Vec::with_capacity(3);
-                let mut new_col = Vec::with_capacity(3);
+        match (&acc.factors, &acc.scaled) {
+            (Factors::Matrix { row, col, .. }, Some((row_factor, col_factor))) => {
                 for k in 0..3 {
-                    let r = ema(&row[k], &row_mean, decays.adafactor[k])?;
-                    let c = ema(&col[k], &col_mean, decays.adafactor[k])?;
-                    let row_factor = srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1)? + 1e-9)?)?)?;
-                    let col_factor = srsqrt(&c)?;
-                    fac_g.push(g.broadcast_mul(&row_factor)?.broadcast_mul(&col_factor)?);
+                    fac_g.push(
+                        g.broadcast_mul(&row_factor[k])?
+                            .broadcast_mul(&col_factor[k])?,
+                    );
                     fac_m.push(
                         momentum[k]
-                            .broadcast_mul(&row_factor)?
-                            .broadcast_mul(&col_factor)?,
+                            .broadcast_mul(&row_factor[k])?
+                            .broadcast_mul(&col_factor[k])?,
                     );
-                    row_feat.push(r.broadcast_as(shape)?.contiguous()?);
-                    col_feat.push(c.broadcast_as(shape)?.contiguous()?);
-                    new_row.push(r);
-                    new_col.push(c);
-                }
-                Factors::Matrix {
-                    d0,
-                    d1,
-                    row: new_row.try_into().expect("three"),
-                    col: new_col.try_into().expect("three"),
+                    row_feat.push(row[k].broadcast_as(shape)?.contiguous()?);
+                    col_feat.push(col[k].broadcast_as(shape)?.contiguous()?);
                 }
             }
-            Factors::Vector { full } => {
-                let mut new_full = Vec::with_capacity(3);
+            (Factors::Vector { full }, _) => {
                 for k in 0..3 {
-                    let f = ema(&full[k], &g2, decays.adafactor[k])?;
-                    fac_g.push((&g * srsqrt(&(&f + 1e-9)?)?)?);
-                    fac_m.push((&momentum[k] * (&f + 1e-6)?.sqrt()?.recip()?)?);
+                    let f = &full[k];
+                    fac_g.push((g * srsqrt(&(f + 1e-9)?)?)?);
+                    fac_m.push((&momentum[k] * (f + 1e-6)?.sqrt()?.recip()?)?);
                     row_feat.push(f.clone());
                     col_feat.push(f.clone());
-                    new_full.push(f);
-                }
-                Factors::Vector {
-                    full: new_full.try_into().expect("three"),
                 }
             }
-        };
-
-        let rsqrt_v = (&rms + 1e-6)?.sqrt()?.recip()?;
+            _ => bail!("{OPT}: internal error, matrix factors without their scales"),
+        }
+        let rsqrt_v = (&acc.rms + 1e-6)?.sqrt()?.recip()?;
         let mut features: Vec<Tensor> = Vec::with_capacity(NORMALISED);
         features.push(g.clone());
         features.push(p.clone());
         features.extend(momentum.iter().cloned());
-        features.push(rms.clone());
-        for m in &momentum {
+        features.push(acc.rms.clone());
+        for m in momentum {
             features.push((m * &rsqrt_v)?);
         }
         features.push(rsqrt_v);
@@ -536,15 +691,11 @@ impl SmallFcLOpt {
         let norm = (x.sqr()?.mean_keepdim(1)? + 1e-5)?.sqrt()?.recip()?;
         let x = x.broadcast_mul(&norm)?;
 
-        let [w_in, b_in, w_1, b_1, w_out, b_out] = &self.params.mlp.tensors;
-        let time_in = (w_in
-            .narrow(1, NORMALISED, TIME_SCALES.len())?
-            .matmul(time)?
-            + b_in.unsqueeze(1)?)?; // [32, 1]
+        let [w_in, _, w_1, b_1, w_out, b_out] = &self.params.mlp.tensors;
         let h1 = w_in
             .narrow(1, 0, NORMALISED)?
             .matmul(&x)?
-            .broadcast_add(&time_in)?;
+            .broadcast_add(&mlp.first_bias.unsqueeze(1)?)?;
         let h1 = relu_keep_nan(&h1)?;
         let h2 = relu_keep_nan(&w_1.matmul(&h1)?.broadcast_add(&b_1.unsqueeze(1)?)?)?;
         let out = w_out.matmul(&h2)?.broadcast_add(&b_out.unsqueeze(1)?)?; // [2, n]
@@ -557,19 +708,7 @@ impl SmallFcLOpt {
         if self.params.weight_decay > 0.0 {
             new_p = (&new_p - (&new_p * (lr * self.params.weight_decay))?)?;
         }
-        let new_p = new_p
-            .reshape(state.var.dims())?
-            .to_dtype(state.var.dtype())?;
-        Ok(Some((
-            TensorState {
-                var: state.var.clone(),
-                shape: state.shape.clone(),
-                momentum,
-                rms,
-                factors,
-            },
-            new_p,
-        )))
+        Ok(new_p)
     }
 
     /// Writes the optimizer state (step counter, and every accumulator of every variable, keyed

@@ -1,0 +1,166 @@
+// small_fc_lopt, the two per-element passes of one tensor's step (src/optim/fused.rs):
+//   lopt_stats:  builds the 28 normalised-feature inputs of every element in registers and adds
+//                their squares into 28 sums (warp shuffles, a block reduction, one atomic per
+//                block per feature).
+//   lopt_update: rebuilds the features, scales them by the per-tensor norms, evaluates the
+//                39-32-32-2 MLP with its weights in shared memory, and writes the new parameter.
+// The accumulator updates and the small Adafactor factor tensors are computed before these
+// passes; the 11 time features are folded into the first layer's bias by the host.
+#include "common.cuh"
+
+namespace {
+
+constexpr int THREADS = 256;
+constexpr int FEATURES = 28;
+constexpr int HIDDEN = 32;
+
+// Mirrors `LoptTensor` in src/optim/fused.rs (repr(C)).
+struct LoptTensor {
+    const float* grad;
+    const float* param;
+    const float* momentum[3];
+    const float* rms;
+    // Matrix (rank >= 2): per-row (axis d0 removed) and per-column (axis d1 removed) tensors.
+    const float* row[3];
+    const float* col[3];
+    const float* row_factor[3];
+    const float* col_factor[3];
+    // Vector (rank <= 1): per-element accumulators; null for matrices.
+    const float* full[3];
+    uint64_t n;
+    uint64_t inner0, size0;  // stride and size of axis d0
+    uint64_t inner1, size1;  // stride and size of axis d1
+    uint32_t factored;
+    uint32_t pad;
+};
+
+__device__ __forceinline__ uint64_t drop_axis(uint64_t e, uint64_t inner, uint64_t size) {
+    const uint64_t outer = e / (inner * size);
+    return outer * inner + e % inner;
+}
+
+__device__ __forceinline__ float srsqrt(float x) { return 1.0f / sqrtf(fmaxf(x, 1e-9f)); }
+
+__device__ __forceinline__ void features(const LoptTensor& t, uint64_t e, float (&x)[FEATURES]) {
+    const float g = t.grad[e];
+    float m[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) m[k] = t.momentum[k][e];
+    const float v = t.rms[e];
+    const float rsqrt_v = 1.0f / sqrtf(v + 1e-6f);
+    x[0] = g;
+    x[1] = t.param[e];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        x[2 + k] = m[k];
+        x[6 + k] = m[k] * rsqrt_v;
+    }
+    x[5] = v;
+    x[9] = rsqrt_v;
+    if (t.factored) {
+        const uint64_t r = drop_axis(e, t.inner0, t.size0);
+        const uint64_t c = drop_axis(e, t.inner1, t.size1);
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const float rf = t.row_factor[k][r], cf = t.col_factor[k][c];
+            const float rk = t.row[k][r], ck = t.col[k][c];
+            x[10 + k] = g * rf * cf;
+            x[13 + k] = rk;
+            x[16 + k] = ck;
+            x[19 + k] = 1.0f / sqrtf(rk + 1e-8f);
+            x[22 + k] = 1.0f / sqrtf(ck + 1e-8f);
+            x[25 + k] = m[k] * rf * cf;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const float f = t.full[k][e];
+            x[10 + k] = g * srsqrt(f + 1e-9f);
+            x[13 + k] = f;
+            x[16 + k] = f;
+            x[19 + k] = 1.0f / sqrtf(f + 1e-8f);
+            x[22 + k] = x[19 + k];
+            x[25 + k] = m[k] / sqrtf(f + 1e-6f);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS) lopt_stats(LoptTensor t, float* sums) {
+    __shared__ float partial[THREADS / 32][FEATURES];
+    float acc[FEATURES];
+#pragma unroll
+    for (int f = 0; f < FEATURES; ++f) acc[f] = 0.0f;
+    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < t.n; e += stride) {
+        float x[FEATURES];
+        features(t, e, x);
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int f = 0; f < FEATURES; ++f) {
+        float v = acc[f];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) partial[warp][f] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < FEATURES) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < THREADS / 32; ++w) v += partial[w][threadIdx.x];
+        atomicAdd(sums + threadIdx.x, v);
+    }
+}
+
+// mlp: w_in [32, 28] (the normalised-feature columns), b_eff [32] (bias plus time features),
+// w_1 [32, 32], b_1 [32], w_out [2, 32], b_out [2], packed in that order.
+constexpr int MLP_FLOATS = HIDDEN * FEATURES + HIDDEN + HIDDEN * HIDDEN + HIDDEN + 2 * HIDDEN + 2;
+
+extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, const float* scale, const float* mlp,
+                                                                  float step_mult, float exp_mult, float lr,
+                                                                  float weight_decay, float* out) {
+    __shared__ float w[MLP_FLOATS];
+    __shared__ float norm[FEATURES];
+    for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
+    if (threadIdx.x < FEATURES) norm[threadIdx.x] = scale[threadIdx.x];
+    __syncthreads();
+    const float* w_in = w;
+    const float* b_eff = w_in + HIDDEN * FEATURES;
+    const float* w_1 = b_eff + HIDDEN;
+    const float* b_1 = w_1 + HIDDEN * HIDDEN;
+    const float* w_out = b_1 + HIDDEN;
+    const float* b_out = w_out + 2 * HIDDEN;
+    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < t.n; e += stride) {
+        float x[FEATURES];
+        features(t, e, x);
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
+        float h1[HIDDEN];
+#pragma unroll
+        for (int j = 0; j < HIDDEN; ++j) {
+            float s = b_eff[j];
+#pragma unroll
+            for (int f = 0; f < FEATURES; ++f) s = fmaf(w_in[j * FEATURES + f], x[f], s);
+            h1[j] = s > 0.0f || s != s ? s : 0.0f;  // relu that keeps NaN, as torch's does
+        }
+        float direction = b_out[0], magnitude = b_out[1];
+#pragma unroll 4
+        for (int j = 0; j < HIDDEN; ++j) {
+            float s = b_1[j];
+#pragma unroll
+            for (int i = 0; i < HIDDEN; ++i) s = fmaf(w_1[j * HIDDEN + i], h1[i], s);
+            s = s > 0.0f || s != s ? s : 0.0f;
+            direction = fmaf(w_out[j], s, direction);
+            magnitude = fmaf(w_out[HIDDEN + j], s, magnitude);
+        }
+        const float step = direction * expf(exp_mult * magnitude) * step_mult;
+        float p = t.param[e] - lr * step;
+        if (weight_decay > 0.0f) p -= lr * weight_decay * p;
+        out[e] = p;
+    }
+}

@@ -1,0 +1,591 @@
+//! The two per-element passes of a small_fc_lopt step, fused: one computes the 28 per-tensor
+//! feature norms without materialising the features, the other rebuilds the features, runs the
+//! MLP and writes the new parameter. CPU (rayon) and CUDA (`src/cuda/small_fc_lopt.cu`) share
+//! the feature definition; the composed-ops path in `small_fc_lopt.rs` is their reference.
+
+use candle_core::{
+    bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, StorageRef, Tensor,
+};
+use rayon::prelude::*;
+
+const OP: &str = "small_fc_lopt";
+pub(super) const FEATURES: usize = 28;
+pub(super) const HIDDEN: usize = 32;
+/// `w_in[:, :28]`, `b_eff`, `w_1`, `b_1`, `w_out`, `b_out`, packed.
+pub(super) const MLP_FLOATS: usize =
+    HIDDEN * FEATURES + HIDDEN + HIDDEN * HIDDEN + HIDDEN + 2 * HIDDEN + 2;
+
+/// Elements per rayon task.
+const CHUNK: usize = 1 << 14;
+
+/// One tensor's inputs to the fused passes: every tensor f32 and contiguous, on one device.
+#[derive(Debug, Clone)]
+pub(super) struct FusedTensor {
+    pub grad: Tensor,
+    pub param: Tensor,
+    pub momentum: [Tensor; 3],
+    pub rms: Tensor,
+    pub factors: FusedFactors,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum FusedFactors {
+    /// Rank >= 2: `row` / `row_factor` have axis d0 removed, `col` / `col_factor` axis d1.
+    Matrix {
+        row: [Tensor; 3],
+        col: [Tensor; 3],
+        row_factor: [Tensor; 3],
+        col_factor: [Tensor; 3],
+        /// (stride, size) of axis d0 and of axis d1 in the tensor.
+        axis0: (usize, usize),
+        axis1: (usize, usize),
+    },
+    Vector {
+        full: [Tensor; 3],
+    },
+}
+
+impl FusedTensor {
+    /// The tensors in the order of the CUDA struct: grad, param, momentum x3, rms, then
+    /// row x3, col x3, row_factor x3, col_factor x3 (matrix) or full x3 (vector).
+    fn tensors(&self) -> Vec<&Tensor> {
+        let mut v = vec![&self.grad, &self.param];
+        v.extend(self.momentum.iter());
+        v.push(&self.rms);
+        match &self.factors {
+            FusedFactors::Matrix {
+                row,
+                col,
+                row_factor,
+                col_factor,
+                ..
+            } => {
+                v.extend(row.iter());
+                v.extend(col.iter());
+                v.extend(row_factor.iter());
+                v.extend(col_factor.iter());
+            }
+            FusedFactors::Vector { full } => v.extend(full.iter()),
+        }
+        v
+    }
+}
+
+/// The sums over the tensor of the squares of its 28 normalised features: `[28]` f32.
+pub(super) fn feature_sums(t: &FusedTensor) -> Result<Tensor> {
+    t.grad.apply_op1_no_bwd(&Stats { t: t.clone() })
+}
+
+/// Scalars of the update pass.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Hyper {
+    pub step_mult: f32,
+    pub exp_mult: f32,
+    pub lr: f32,
+    pub weight_decay: f32,
+}
+
+/// The new parameter values (flat f32) from the feature `scale` (`[28]`) and the packed MLP.
+pub(super) fn mlp_update(
+    t: &FusedTensor,
+    scale: &Tensor,
+    mlp: &Tensor,
+    hyper: Hyper,
+) -> Result<Tensor> {
+    t.param.apply_op1_no_bwd(&Update {
+        t: t.clone(),
+        scale: scale.clone(),
+        mlp: mlp.clone(),
+        hyper,
+    })
+}
+
+struct Stats {
+    t: FusedTensor,
+}
+
+struct Update {
+    t: FusedTensor,
+    scale: Tensor,
+    mlp: Tensor,
+    hyper: Hyper,
+}
+
+/// Read locks on a list of tensors.
+fn lock<'a>(tensors: &[&'a Tensor]) -> Vec<(StorageRef<'a>, &'a Layout)> {
+    tensors.iter().map(|t| t.storage_and_layout()).collect()
+}
+
+fn cpu_slice<'a>(lock: &'a (StorageRef<'_>, &Layout)) -> Result<&'a [f32]> {
+    let (storage, layout) = lock;
+    let Storage::Cpu(storage) = &**storage else {
+        bail!("{OP}: internal error, a state tensor is not on the CPU");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{OP}: internal error, a state tensor is not contiguous");
+    };
+    Ok(&storage.as_slice::<f32>()?[start..end])
+}
+
+/// One tensor's data as CPU slices.
+struct CpuTensor<'a> {
+    grad: &'a [f32],
+    param: &'a [f32],
+    momentum: [&'a [f32]; 3],
+    rms: &'a [f32],
+    factors: CpuFactors<'a>,
+}
+
+enum CpuFactors<'a> {
+    Matrix {
+        row: [&'a [f32]; 3],
+        col: [&'a [f32]; 3],
+        row_factor: [&'a [f32]; 3],
+        col_factor: [&'a [f32]; 3],
+        axis0: (usize, usize),
+        axis1: (usize, usize),
+    },
+    Vector {
+        full: [&'a [f32]; 3],
+    },
+}
+
+impl<'a> CpuTensor<'a> {
+    fn new(t: &FusedTensor, s: &'a [&'a [f32]]) -> Self {
+        let three = |at: usize| [s[at], s[at + 1], s[at + 2]];
+        let factors = match &t.factors {
+            FusedFactors::Matrix { axis0, axis1, .. } => CpuFactors::Matrix {
+                row: three(6),
+                col: three(9),
+                row_factor: three(12),
+                col_factor: three(15),
+                axis0: *axis0,
+                axis1: *axis1,
+            },
+            FusedFactors::Vector { .. } => CpuFactors::Vector { full: three(6) },
+        };
+        Self {
+            grad: s[0],
+            param: s[1],
+            momentum: three(2),
+            rms: s[5],
+            factors,
+        }
+    }
+
+    /// The 28 normalised-feature inputs of element `e` (spec order, features 0..27).
+    #[inline(always)]
+    fn features(&self, e: usize) -> [f32; FEATURES] {
+        let mut x = [0f32; FEATURES];
+        let g = self.grad[e];
+        let m = [
+            self.momentum[0][e],
+            self.momentum[1][e],
+            self.momentum[2][e],
+        ];
+        let v = self.rms[e];
+        let rsqrt_v = 1.0 / (v + 1e-6).sqrt();
+        x[0] = g;
+        x[1] = self.param[e];
+        for k in 0..3 {
+            x[2 + k] = m[k];
+            x[6 + k] = m[k] * rsqrt_v;
+        }
+        x[5] = v;
+        x[9] = rsqrt_v;
+        match &self.factors {
+            CpuFactors::Matrix {
+                row,
+                col,
+                row_factor,
+                col_factor,
+                axis0,
+                axis1,
+            } => {
+                let r = drop_axis(e, *axis0);
+                let c = drop_axis(e, *axis1);
+                for k in 0..3 {
+                    let (rf, cf) = (row_factor[k][r], col_factor[k][c]);
+                    let (rk, ck) = (row[k][r], col[k][c]);
+                    x[10 + k] = g * rf * cf;
+                    x[13 + k] = rk;
+                    x[16 + k] = ck;
+                    x[19 + k] = 1.0 / (rk + 1e-8).sqrt();
+                    x[22 + k] = 1.0 / (ck + 1e-8).sqrt();
+                    x[25 + k] = m[k] * rf * cf;
+                }
+            }
+            CpuFactors::Vector { full } => {
+                for k in 0..3 {
+                    let f = full[k][e];
+                    x[10 + k] = g / (f + 1e-9).max(1e-9).sqrt();
+                    x[13 + k] = f;
+                    x[16 + k] = f;
+                    x[19 + k] = 1.0 / (f + 1e-8).sqrt();
+                    x[22 + k] = x[19 + k];
+                    x[25 + k] = m[k] / (f + 1e-6).sqrt();
+                }
+            }
+        }
+        x
+    }
+}
+
+/// `[rows, cols]` row-major to `[cols, rows]`.
+fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; w.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = w[r * cols + c];
+        }
+    }
+    t
+}
+
+/// The index of element `e` in a tensor with one axis (stride, size) removed.
+fn drop_axis(e: usize, (inner, size): (usize, usize)) -> usize {
+    (e / (inner * size)) * inner + e % inner
+}
+
+fn relu_keep_nan(x: f32) -> f32 {
+    if x > 0.0 || x.is_nan() {
+        x
+    } else {
+        0.0
+    }
+}
+
+impl CustomOp1 for Stats {
+    fn name(&self) -> &'static str {
+        "fastops-lopt-stats"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let tensors = self.t.tensors();
+        let locks = lock(&tensors);
+        let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
+        let t = CpuTensor::new(&self.t, &slices);
+        let n = t.grad.len();
+        let sums = (0..n.div_ceil(CHUNK))
+            .into_par_iter()
+            .map(|chunk| {
+                let mut acc = [0f64; FEATURES];
+                for e in chunk * CHUNK..((chunk + 1) * CHUNK).min(n) {
+                    let x = t.features(e);
+                    for (a, &v) in acc.iter_mut().zip(&x) {
+                        *a += (v * v) as f64;
+                    }
+                }
+                acc
+            })
+            .reduce(
+                || [0f64; FEATURES],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        let sums: Vec<f32> = sums.iter().map(|&s| s as f32).collect();
+        Ok((CpuStorage::F32(sums), Shape::from(FEATURES)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        grad: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dev = &grad.device;
+        let sums = dev.alloc_zeros::<f32>(FEATURES)?;
+        cuda::stats(dev, &self.t, &sums)?;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(sums, dev.clone()),
+            Shape::from(FEATURES),
+        ))
+    }
+}
+
+/// The packed MLP with its two hidden layers transposed, so the loops below run over
+/// contiguous 32-wide columns.
+struct CpuMlp<'a> {
+    w_in_t: Vec<f32>,
+    b_eff: &'a [f32],
+    w_1_t: Vec<f32>,
+    b_1: &'a [f32],
+    w_out: &'a [f32],
+    b_out: &'a [f32],
+}
+
+impl<'a> CpuMlp<'a> {
+    fn new(packed: &'a [f32]) -> Self {
+        let (w_in, rest) = packed.split_at(HIDDEN * FEATURES);
+        let (b_eff, rest) = rest.split_at(HIDDEN);
+        let (w_1, rest) = rest.split_at(HIDDEN * HIDDEN);
+        let (b_1, rest) = rest.split_at(HIDDEN);
+        let (w_out, b_out) = rest.split_at(2 * HIDDEN);
+        Self {
+            w_in_t: transpose(w_in, HIDDEN, FEATURES),
+            b_eff,
+            w_1_t: transpose(w_1, HIDDEN, HIDDEN),
+            b_1,
+            w_out,
+            b_out,
+        }
+    }
+}
+
+/// [`update_chunk`] compiled for AVX2 + FMA (8-wide), chosen at run time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn update_chunk_avx2(
+    t: &CpuTensor,
+    net: &CpuMlp,
+    scale: &[f32],
+    h: Hyper,
+    first: usize,
+    dst: &mut [std::mem::MaybeUninit<f32>],
+) {
+    update_chunk(t, net, scale, h, first, dst)
+}
+
+/// New parameter values for elements `first..first + dst.len()`.
+#[inline(always)]
+fn update_chunk(
+    t: &CpuTensor,
+    net: &CpuMlp,
+    scale: &[f32],
+    h: Hyper,
+    first: usize,
+    dst: &mut [std::mem::MaybeUninit<f32>],
+) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        let e = first + i;
+        let mut x = t.features(e);
+        for (x, s) in x.iter_mut().zip(scale) {
+            *x *= s;
+        }
+        // Plain multiply-adds (not `mul_add`, a libm call without hardware FMA), laid out for
+        // the vectoriser: each input scales a column of the transposed weights, accumulated
+        // into all 32 outputs at once.
+        let mut h1 = [0f32; HIDDEN];
+        h1.copy_from_slice(net.b_eff);
+        for (f, &xf) in x.iter().enumerate() {
+            let col = &net.w_in_t[f * HIDDEN..(f + 1) * HIDDEN];
+            for (h, &w) in h1.iter_mut().zip(col) {
+                *h += w * xf;
+            }
+        }
+        let mut h2 = [0f32; HIDDEN];
+        h2.copy_from_slice(net.b_1);
+        for (i, &hi) in h1.iter().enumerate() {
+            let hi = relu_keep_nan(hi);
+            let col = &net.w_1_t[i * HIDDEN..(i + 1) * HIDDEN];
+            for (h, &w) in h2.iter_mut().zip(col) {
+                *h += w * hi;
+            }
+        }
+        let (mut direction, mut magnitude) = (net.b_out[0], net.b_out[1]);
+        for (j, &s) in h2.iter().enumerate() {
+            let s = relu_keep_nan(s);
+            direction += net.w_out[j] * s;
+            magnitude += net.w_out[HIDDEN + j] * s;
+        }
+        let step = direction * (h.exp_mult * magnitude).exp() * h.step_mult;
+        let mut p = t.param[e] - h.lr * step;
+        if h.weight_decay > 0.0 {
+            p -= h.lr * h.weight_decay * p;
+        }
+        d.write(p);
+    }
+}
+
+impl CustomOp1 for Update {
+    fn name(&self) -> &'static str {
+        "fastops-lopt-update"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let tensors = self.t.tensors();
+        let locks = lock(&tensors);
+        let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
+        let t = CpuTensor::new(&self.t, &slices);
+        let extra = lock(&[&self.scale, &self.mlp]);
+        let scale = cpu_slice(&extra[0])?;
+        let mlp = cpu_slice(&extra[1])?;
+        let net = CpuMlp::new(mlp);
+        let h = self.hyper;
+        let n = t.grad.len();
+        let mut out = crate::cpu::output_vec::<f32>(n);
+        #[cfg(target_arch = "x86_64")]
+        let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        crate::cpu::spare(&mut out, n)
+            .par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(chunk, dst)| {
+                #[cfg(target_arch = "x86_64")]
+                if wide {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                    unsafe { update_chunk_avx2(&t, &net, scale, h, chunk * CHUNK, dst) };
+                    return;
+                }
+                update_chunk(&t, &net, scale, h, chunk * CHUNK, dst)
+            });
+        // SAFETY: the chunks cover 0..n and write every element.
+        unsafe { out.set_len(n) };
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        param: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dev = &param.device;
+        let n = self.t.param.elem_count();
+        let out = crate::cuda::alloc_output::<f32>(dev, n)?;
+        cuda::update(dev, self, &out)?;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(n),
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{FusedFactors, FusedTensor, Update, FEATURES, OP};
+    use crate::cuda::{grid_stride_config, Kernel, Module};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DevicePtr, DeviceRepr, PushKernelArg,
+    };
+    use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
+
+    /// Mirrors `LoptTensor` in `src/cuda/small_fc_lopt.cu`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default)]
+    struct LoptTensor {
+        grad: u64,
+        param: u64,
+        momentum: [u64; 3],
+        rms: u64,
+        row: [u64; 3],
+        col: [u64; 3],
+        row_factor: [u64; 3],
+        col_factor: [u64; 3],
+        full: [u64; 3],
+        n: u64,
+        inner0: u64,
+        size0: u64,
+        inner1: u64,
+        size1: u64,
+        factored: u32,
+        pad: u32,
+    }
+
+    // SAFETY: plain data with the C layout the kernels expect.
+    unsafe impl DeviceRepr for LoptTensor {}
+
+    const THREADS: u32 = 256;
+
+    /// Runs `f` with the kernel struct of `t`: device addresses of every tensor, valid while
+    /// `f` runs (the storages stay locked and the addresses are taken on the launch stream).
+    fn with_tensor<R>(
+        dev: &CudaDevice,
+        t: &FusedTensor,
+        f: impl FnOnce(&LoptTensor) -> Result<R>,
+    ) -> Result<R> {
+        let tensors = t.tensors();
+        let locks: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+        let mut views: Vec<CudaView<'_, f32>> = Vec::with_capacity(locks.len());
+        for (storage, layout) in &locks {
+            let Storage::Cuda(s) = &**storage else {
+                bail!("{OP}: internal error, a state tensor is not on the GPU");
+            };
+            views.push(s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..));
+        }
+        let stream = dev.cuda_stream();
+        let ptrs: Vec<_> = views.iter().map(|v| v.device_ptr(&stream)).collect();
+        let p = |i: usize| ptrs[i].0;
+        let three = |i: usize| [p(i), p(i + 1), p(i + 2)];
+        let mut k = LoptTensor {
+            grad: p(0),
+            param: p(1),
+            momentum: three(2),
+            rms: p(5),
+            n: t.grad.elem_count() as u64,
+            ..Default::default()
+        };
+        match &t.factors {
+            FusedFactors::Matrix { axis0, axis1, .. } => {
+                k.row = three(6);
+                k.col = three(9);
+                k.row_factor = three(12);
+                k.col_factor = three(15);
+                (k.inner0, k.size0) = (axis0.0 as u64, axis0.1 as u64);
+                (k.inner1, k.size1) = (axis1.0 as u64, axis1.1 as u64);
+                k.factored = 1;
+            }
+            FusedFactors::Vector { .. } => k.full = three(6),
+        }
+        f(&k)
+    }
+
+    pub(super) fn stats(dev: &CudaDevice, t: &FusedTensor, sums: &CudaSlice<f32>) -> Result<()> {
+        let n = t.grad.elem_count() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
+        let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
+        with_tensor(dev, t, |k| {
+            // SAFETY: matches `lopt_stats(LoptTensor, float* sums)`; every address in `k` is a
+            // live f32 buffer of the size its role implies, and sums holds 28 floats.
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    args.arg(k).arg(sums);
+                })
+            }
+        })
+    }
+
+    fn view_of(t: &Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {
+        let (storage, layout) = t.storage_and_layout();
+        Ok((storage, layout.start_offset()))
+    }
+
+    pub(super) fn update(dev: &CudaDevice, u: &Update, out: &CudaSlice<f32>) -> Result<()> {
+        let n = u.t.param.elem_count() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let (scale_lock, scale_start) = view_of(&u.scale)?;
+        let (mlp_lock, mlp_start) = view_of(&u.mlp)?;
+        let (Storage::Cuda(scale), Storage::Cuda(mlp)) = (&*scale_lock, &*mlp_lock) else {
+            bail!("{OP}: internal error, MLP weights are not on the GPU");
+        };
+        let scale = scale
+            .as_cuda_slice::<f32>()?
+            .slice(scale_start..scale_start + FEATURES);
+        let mlp = mlp.as_cuda_slice::<f32>()?.slice(mlp_start..);
+        let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_update")?;
+        let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
+        let h = u.hyper;
+        with_tensor(dev, &u.t, |k| {
+            // SAFETY: matches `lopt_update(LoptTensor, scale, mlp, step_mult, exp_mult, lr,
+            // weight_decay, out)`; scale holds 28 floats, mlp MLP_FLOATS, out n.
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    args.arg(k)
+                        .arg(&scale)
+                        .arg(&mlp)
+                        .arg(&h.step_mult)
+                        .arg(&h.exp_mult)
+                        .arg(&h.lr)
+                        .arg(&h.weight_decay)
+                        .arg(out);
+                })
+            }
+        })
+    }
+}
