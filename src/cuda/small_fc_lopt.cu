@@ -1,11 +1,12 @@
 // small_fc_lopt, the two per-element passes of one tensor's step (src/optim/fused.rs):
-//   lopt_stats:  builds the 28 normalised-feature inputs of every element in registers and adds
-//                their squares into 28 sums (warp shuffles, a block reduction, one atomic per
-//                block per feature).
+//   lopt_stats:  updates the element's momenta, rms (and for vectors Adafactor) accumulators,
+//                writes them, builds the 28 normalised-feature inputs in registers and adds their
+//                squares into 28 sums (warp shuffles, a block reduction, one atomic per block per
+//                feature).
 //   lopt_update: rebuilds the features, scales them by the per-tensor norms, evaluates the
 //                39-32-32-2 MLP with its weights in shared memory, and writes the new parameter.
-// The accumulator updates and the small Adafactor factor tensors are computed before these
-// passes; the 11 time features are folded into the first layer's bias by the host.
+// The small per-row / per-column Adafactor tensors of matrices are computed before these passes;
+// the 11 time features are folded into the first layer's bias by the host.
 #include "common.cuh"
 
 namespace {
@@ -41,21 +42,37 @@ __device__ __forceinline__ uint64_t drop_axis(uint64_t e, uint64_t inner, uint64
 
 __device__ __forceinline__ float srsqrt(float x) { return 1.0f / sqrtf(fmaxf(x, 1e-9f)); }
 
-__device__ __forceinline__ void features(const LoptTensor& t, uint64_t e, float (&x)[FEATURES]) {
-    const float g = t.grad[e];
-    float m[3];
+// The state of one element after this step's accumulator updates.
+struct Element {
+    float g, p, m[3], v, full[3];
+};
+
+// Element e with the accumulators as stored (pass 2 reads what pass 1 wrote).
+__device__ __forceinline__ Element load_element(const LoptTensor& t, uint64_t e) {
+    Element x;
+    x.g = t.grad[e];
+    x.p = t.param[e];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) m[k] = t.momentum[k][e];
-    const float v = t.rms[e];
-    const float rsqrt_v = 1.0f / sqrtf(v + 1e-6f);
+    for (int k = 0; k < 3; ++k) x.m[k] = t.momentum[k][e];
+    x.v = t.rms[e];
+    if (!t.factored) {
+#pragma unroll
+        for (int k = 0; k < 3; ++k) x.full[k] = t.full[k][e];
+    }
+    return x;
+}
+
+__device__ __forceinline__ void features(const LoptTensor& t, uint64_t e, const Element& s, float (&x)[FEATURES]) {
+    const float g = s.g;
+    const float rsqrt_v = 1.0f / sqrtf(s.v + 1e-6f);
     x[0] = g;
-    x[1] = t.param[e];
+    x[1] = s.p;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-        x[2 + k] = m[k];
-        x[6 + k] = m[k] * rsqrt_v;
+        x[2 + k] = s.m[k];
+        x[6 + k] = s.m[k] * rsqrt_v;
     }
-    x[5] = v;
+    x[5] = s.v;
     x[9] = rsqrt_v;
     if (t.factored) {
         const uint64_t r = drop_axis(e, t.inner0, t.size0);
@@ -69,33 +86,59 @@ __device__ __forceinline__ void features(const LoptTensor& t, uint64_t e, float 
             x[16 + k] = ck;
             x[19 + k] = 1.0f / sqrtf(rk + 1e-8f);
             x[22 + k] = 1.0f / sqrtf(ck + 1e-8f);
-            x[25 + k] = m[k] * rf * cf;
+            x[25 + k] = s.m[k] * rf * cf;
         }
     } else {
 #pragma unroll
         for (int k = 0; k < 3; ++k) {
-            const float f = t.full[k][e];
+            const float f = s.full[k];
             x[10 + k] = g * srsqrt(f + 1e-9f);
             x[13 + k] = f;
             x[16 + k] = f;
             x[19 + k] = 1.0f / sqrtf(f + 1e-8f);
             x[22 + k] = x[19 + k];
-            x[25 + k] = m[k] / sqrtf(f + 1e-6f);
+            x[25 + k] = s.m[k] / sqrtf(f + 1e-6f);
         }
     }
 }
 
+// Decays of the three momenta, the rms and the three Adafactor accumulators.
+struct Decays {
+    float momentum[3], rms, adafactor[3], pad;
+};
+
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS) lopt_stats(LoptTensor t, float* sums) {
+// Pass 1: updates the accumulators of every element from the stored ones (t holds the previous
+// step's) and writes them to out: momentum k at [k n, (k+1) n), rms at [3n, 4n), and for vectors
+// the Adafactor accumulator k at [(4+k) n, (5+k) n). Sums of the squared features go to
+// sums[0..28] (zeroed by the host).
+extern "C" __global__ void __launch_bounds__(THREADS) lopt_stats(LoptTensor t, Decays d, float* out, float* sums) {
     __shared__ float partial[THREADS / 32][FEATURES];
     float acc[FEATURES];
 #pragma unroll
     for (int f = 0; f < FEATURES; ++f) acc[f] = 0.0f;
+    const uint64_t n = t.n;
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-    for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < t.n; e += stride) {
+    for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+        Element s = load_element(t, e);
+        const float g2 = s.g * s.g;
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            s.m[k] = d.momentum[k] * s.m[k] + (1.0f - d.momentum[k]) * s.g;
+            out[k * n + e] = s.m[k];
+        }
+        s.v = d.rms * s.v + (1.0f - d.rms) * g2;
+        out[3 * n + e] = s.v;
+        if (!t.factored) {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+                s.full[k] = d.adafactor[k] * s.full[k] + (1.0f - d.adafactor[k]) * (g2 + 1e-30f);
+                out[(4 + k) * n + e] = s.full[k];
+            }
+        }
         float x[FEATURES];
-        features(t, e, x);
+        features(t, e, s, x);
 #pragma unroll
         for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
     }
@@ -136,8 +179,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, 
     const float* b_out = w_out + 2 * HIDDEN;
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
     for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < t.n; e += stride) {
+        const Element s = load_element(t, e);
         float x[FEATURES];
-        features(t, e, x);
+        features(t, e, s, x);
 #pragma unroll
         for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
         float h1[HIDDEN];
@@ -159,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, 
             magnitude = fmaf(w_out[HIDDEN + j], s, magnitude);
         }
         const float step = direction * expf(exp_mult * magnitude) * step_mult;
-        float p = t.param[e] - lr * step;
+        float p = s.p - lr * step;
         if (weight_decay > 0.0f) p -= lr * weight_decay * p;
         out[e] = p;
     }

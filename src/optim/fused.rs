@@ -71,9 +71,39 @@ impl FusedTensor {
     }
 }
 
-/// The sums over the tensor of the squares of its 28 normalised features: `[28]` f32.
-pub(super) fn feature_sums(t: &FusedTensor) -> Result<Tensor> {
-    t.grad.apply_op1_no_bwd(&Stats { t: t.clone() })
+/// Decays of the three momenta, the rms and the three Adafactor accumulators (the layout of
+/// `Decays` in the kernel).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Decays {
+    pub momentum: [f32; 3],
+    pub rms: f32,
+    pub adafactor: [f32; 3],
+    pub pad: f32,
+}
+
+/// Pass 1 over `t` (holding the previous accumulators): the updated accumulators as `[planes,
+/// n]` (momentum 0..3, rms, then for vectors the 3 Adafactor accumulators) and the sums over the
+/// tensor of the squares of the 28 normalised features (`[28]`).
+pub(super) fn accumulate(t: &FusedTensor, decays: Decays) -> Result<(Tensor, Tensor)> {
+    let n = t.grad.elem_count();
+    let planes = planes(t);
+    let out = t.grad.apply_op1_no_bwd(&Stats {
+        t: t.clone(),
+        decays,
+    })?;
+    Ok((
+        out.narrow(0, 0, planes * n)?.reshape((planes, n))?,
+        out.narrow(0, planes * n, FEATURES)?,
+    ))
+}
+
+/// Accumulator planes pass 1 writes: 3 momenta and the rms, plus 3 for vectors.
+fn planes(t: &FusedTensor) -> usize {
+    match t.factors {
+        FusedFactors::Matrix { .. } => 4,
+        FusedFactors::Vector { .. } => 7,
+    }
 }
 
 /// Scalars of the update pass.
@@ -102,6 +132,7 @@ pub(super) fn mlp_update(
 
 struct Stats {
     t: FusedTensor,
+    decays: Decays,
 }
 
 struct Update {
@@ -173,25 +204,39 @@ impl<'a> CpuTensor<'a> {
         }
     }
 
-    /// The 28 normalised-feature inputs of element `e` (spec order, features 0..27).
+    /// Element `e` with its accumulators as stored.
     #[inline(always)]
-    fn features(&self, e: usize) -> [f32; FEATURES] {
+    fn load(&self, e: usize) -> Element {
+        let full = match &self.factors {
+            CpuFactors::Vector { full } => [full[0][e], full[1][e], full[2][e]],
+            CpuFactors::Matrix { .. } => [0.0; 3],
+        };
+        Element {
+            g: self.grad[e],
+            p: self.param[e],
+            m: [
+                self.momentum[0][e],
+                self.momentum[1][e],
+                self.momentum[2][e],
+            ],
+            v: self.rms[e],
+            full,
+        }
+    }
+
+    /// The 28 normalised-feature inputs of element `e` in state `s` (spec order, 0..27).
+    #[inline(always)]
+    fn features(&self, e: usize, s: &Element) -> [f32; FEATURES] {
         let mut x = [0f32; FEATURES];
-        let g = self.grad[e];
-        let m = [
-            self.momentum[0][e],
-            self.momentum[1][e],
-            self.momentum[2][e],
-        ];
-        let v = self.rms[e];
-        let rsqrt_v = 1.0 / (v + 1e-6).sqrt();
+        let (g, m) = (s.g, s.m);
+        let rsqrt_v = 1.0 / (s.v + 1e-6).sqrt();
         x[0] = g;
-        x[1] = self.param[e];
+        x[1] = s.p;
         for k in 0..3 {
             x[2 + k] = m[k];
             x[6 + k] = m[k] * rsqrt_v;
         }
-        x[5] = v;
+        x[5] = s.v;
         x[9] = rsqrt_v;
         match &self.factors {
             CpuFactors::Matrix {
@@ -215,9 +260,9 @@ impl<'a> CpuTensor<'a> {
                     x[25 + k] = m[k] * rf * cf;
                 }
             }
-            CpuFactors::Vector { full } => {
+            CpuFactors::Vector { .. } => {
                 for k in 0..3 {
-                    let f = full[k][e];
+                    let f = s.full[k];
                     x[10 + k] = g / (f + 1e-9).max(1e-9).sqrt();
                     x[13 + k] = f;
                     x[16 + k] = f;
@@ -229,6 +274,17 @@ impl<'a> CpuTensor<'a> {
         }
         x
     }
+}
+
+/// One element's values after this step's accumulator updates.
+#[derive(Debug, Clone, Copy)]
+struct Element {
+    g: f32,
+    p: f32,
+    m: [f32; 3],
+    v: f32,
+    /// Vector tensors' Adafactor accumulators (unused for matrices).
+    full: [f32; 3],
 }
 
 /// `[rows, cols]` row-major to `[cols, rows]`.
@@ -266,12 +322,40 @@ impl CustomOp1 for Stats {
         let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
         let t = CpuTensor::new(&self.t, &slices);
         let n = t.grad.len();
-        let sums = (0..n.div_ceil(CHUNK))
+        let planes = planes(&self.t);
+        let d = self.decays;
+        let mut out = vec![0f32; planes * n + FEATURES];
+        let (accumulators, sums_out) = out.split_at_mut(planes * n);
+        // Plane-major output: chunk c of every plane belongs to the rayon task of chunk c.
+        let mut plane_chunks: Vec<Vec<&mut [f32]>> =
+            (0..n.div_ceil(CHUNK)).map(|_| Vec::new()).collect();
+        for plane in accumulators.chunks_mut(n.max(1)) {
+            for (c, chunk) in plane.chunks_mut(CHUNK).enumerate() {
+                plane_chunks[c].push(chunk);
+            }
+        }
+        let sums = plane_chunks
             .into_par_iter()
-            .map(|chunk| {
+            .enumerate()
+            .map(|(chunk, mut dst)| {
                 let mut acc = [0f64; FEATURES];
-                for e in chunk * CHUNK..((chunk + 1) * CHUNK).min(n) {
-                    let x = t.features(e);
+                for (i, e) in (chunk * CHUNK..((chunk + 1) * CHUNK).min(n)).enumerate() {
+                    let mut s = t.load(e);
+                    let g2 = s.g * s.g;
+                    for (k, plane) in dst.iter_mut().take(3).enumerate() {
+                        s.m[k] = d.momentum[k] * s.m[k] + (1.0 - d.momentum[k]) * s.g;
+                        plane[i] = s.m[k];
+                    }
+                    s.v = d.rms * s.v + (1.0 - d.rms) * g2;
+                    dst[3][i] = s.v;
+                    if planes == 7 {
+                        for k in 0..3 {
+                            s.full[k] =
+                                d.adafactor[k] * s.full[k] + (1.0 - d.adafactor[k]) * (g2 + 1e-30);
+                            dst[4 + k][i] = s.full[k];
+                        }
+                    }
+                    let x = t.features(e, &s);
                     for (a, &v) in acc.iter_mut().zip(&x) {
                         *a += (v * v) as f64;
                     }
@@ -285,8 +369,11 @@ impl CustomOp1 for Stats {
                     a
                 },
             );
-        let sums: Vec<f32> = sums.iter().map(|&s| s as f32).collect();
-        Ok((CpuStorage::F32(sums), Shape::from(FEATURES)))
+        for (o, s) in sums_out.iter_mut().zip(&sums) {
+            *o = *s as f32;
+        }
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
     }
 
     #[cfg(feature = "cuda")]
@@ -296,11 +383,11 @@ impl CustomOp1 for Stats {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dev = &grad.device;
-        let sums = dev.alloc_zeros::<f32>(FEATURES)?;
-        cuda::stats(dev, &self.t, &sums)?;
+        let len = planes(&self.t) * self.t.grad.elem_count() + FEATURES;
+        let out = cuda::stats(dev, self, len)?;
         Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(sums, dev.clone()),
-            Shape::from(FEATURES),
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(len),
         ))
     }
 }
@@ -360,7 +447,8 @@ fn update_chunk(
 ) {
     for (i, d) in dst.iter_mut().enumerate() {
         let e = first + i;
-        let mut x = t.features(e);
+        let s = t.load(e);
+        let mut x = t.features(e, &s);
         for (x, s) in x.iter_mut().zip(scale) {
             *x *= s;
         }
@@ -391,7 +479,7 @@ fn update_chunk(
             magnitude += net.w_out[HIDDEN + j] * s;
         }
         let step = direction * (h.exp_mult * magnitude).exp() * h.step_mult;
-        let mut p = t.param[e] - h.lr * step;
+        let mut p = s.p - h.lr * step;
         if h.weight_decay > 0.0 {
             p -= h.lr * h.weight_decay * p;
         }
@@ -454,11 +542,12 @@ impl CustomOp1 for Update {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{FusedFactors, FusedTensor, Update, FEATURES, OP};
+    use super::{Decays, FusedFactors, FusedTensor, Stats, Update, FEATURES, OP};
     use crate::cuda::{grid_stride_config, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DevicePtr, DeviceRepr, PushKernelArg,
     };
+    use candle_core::cuda_backend::WrapErr;
     use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
 
     /// Mirrors `LoptTensor` in `src/cuda/small_fc_lopt.cu`.
@@ -485,6 +574,8 @@ mod cuda {
 
     // SAFETY: plain data with the C layout the kernels expect.
     unsafe impl DeviceRepr for LoptTensor {}
+    // SAFETY: as above.
+    unsafe impl DeviceRepr for Decays {}
 
     const THREADS: u32 = 256;
 
@@ -531,22 +622,35 @@ mod cuda {
         f(&k)
     }
 
-    pub(super) fn stats(dev: &CudaDevice, t: &FusedTensor, sums: &CudaSlice<f32>) -> Result<()> {
-        let n = t.grad.elem_count() as u64;
+    /// Pass 1: allocates the output (accumulator planes, then 28 zeroed sums) and fills it.
+    pub(super) fn stats(dev: &CudaDevice, s: &Stats, len: usize) -> Result<CudaSlice<f32>> {
+        let n = s.t.grad.elem_count();
+        let mut out = crate::cuda::alloc_output::<f32>(dev, len)?;
+        let stream = dev.cuda_stream();
+        let planes_len = len - FEATURES;
+        {
+            let mut sums = out.slice_mut(planes_len..);
+            stream.memset_zeros(&mut sums).w()?;
+        }
         if n == 0 {
-            return Ok(());
+            return Ok(out);
         }
         let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
-        let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
-        with_tensor(dev, t, |k| {
-            // SAFETY: matches `lopt_stats(LoptTensor, float* sums)`; every address in `k` is a
-            // live f32 buffer of the size its role implies, and sums holds 28 floats.
-            unsafe {
-                kernel.launch(cfg, |args| {
-                    args.arg(k).arg(sums);
-                })
-            }
-        })
+        let cfg = grid_stride_config(dev, n as u64, THREADS, 4, 0)?;
+        {
+            let (mut planes, mut sums) = out.split_at_mut(planes_len);
+            with_tensor(dev, &s.t, |k| {
+                // SAFETY: matches `lopt_stats(LoptTensor, Decays, float* out, float* sums)`; every
+                // address in `k` is a live f32 buffer of the size its role implies, `planes` holds
+                // the accumulator planes of n elements each and `sums` 28 floats.
+                unsafe {
+                    kernel.launch(cfg, |args| {
+                        args.arg(k).arg(&s.decays).arg(&mut planes).arg(&mut sums);
+                    })
+                }
+            })?;
+        }
+        Ok(out)
     }
 
     fn view_of(t: &Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {

@@ -269,6 +269,44 @@ struct Accumulators {
     scaled: Option<([Tensor; 3], [Tensor; 3])>,
 }
 
+type Scales = ([Tensor; 3], [Tensor; 3]);
+
+/// A matrix's new row and column accumulators from `g2 = g^2 + 1e-30`, and its row and column
+/// factors (`srsqrt` of the row accumulator over its mean along d1, `srsqrt` of the column one).
+fn matrix_factors(
+    d0: usize,
+    d1: usize,
+    row: &[Tensor; 3],
+    col: &[Tensor; 3],
+    g2: &Tensor,
+    decays: &Decays,
+) -> Result<(Factors, Scales)> {
+    let row_mean = g2.mean_keepdim(d0)?;
+    let col_mean = g2.mean_keepdim(d1)?;
+    let (mut new_row, mut new_col) = (Vec::new(), Vec::new());
+    let (mut row_factors, mut col_factors) = (Vec::new(), Vec::new());
+    for k in 0..3 {
+        let r = ema(&row[k], &row_mean, decays.adafactor[k])?;
+        let c = ema(&col[k], &col_mean, decays.adafactor[k])?;
+        row_factors.push(srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1)? + 1e-9)?)?)?);
+        col_factors.push(srsqrt(&c)?);
+        new_row.push(r);
+        new_col.push(c);
+    }
+    Ok((
+        Factors::Matrix {
+            d0,
+            d1,
+            row: new_row.try_into().expect("three"),
+            col: new_col.try_into().expect("three"),
+        },
+        (
+            row_factors.try_into().expect("three"),
+            col_factors.try_into().expect("three"),
+        ),
+    ))
+}
+
 impl Accumulators {
     fn update(state: &TensorState, g: &Tensor, decays: &Decays) -> Result<Self> {
         let momentum: [Tensor; 3] = [
@@ -281,32 +319,8 @@ impl Accumulators {
         let g2 = (g2 + 1e-30)?;
         let (factors, scaled) = match &state.factors {
             Factors::Matrix { d0, d1, row, col } => {
-                let (d0, d1) = (*d0, *d1);
-                let row_mean = g2.mean_keepdim(d0)?;
-                let col_mean = g2.mean_keepdim(d1)?;
-                let (mut new_row, mut new_col) = (Vec::new(), Vec::new());
-                let (mut row_factors, mut col_factors) = (Vec::new(), Vec::new());
-                for k in 0..3 {
-                    let r = ema(&row[k], &row_mean, decays.adafactor[k])?;
-                    let c = ema(&col[k], &col_mean, decays.adafactor[k])?;
-                    let row_factor = srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1)? + 1e-9)?)?)?;
-                    row_factors.push(row_factor);
-                    col_factors.push(srsqrt(&c)?);
-                    new_row.push(r);
-                    new_col.push(c);
-                }
-                (
-                    Factors::Matrix {
-                        d0,
-                        d1,
-                        row: new_row.try_into().expect("three"),
-                        col: new_col.try_into().expect("three"),
-                    },
-                    Some((
-                        row_factors.try_into().expect("three"),
-                        col_factors.try_into().expect("three"),
-                    )),
-                )
+                let (factors, scaled) = matrix_factors(*d0, *d1, row, col, &g2, decays)?;
+                (factors, Some(scaled))
             }
             Factors::Vector { full } => {
                 let full: Vec<Tensor> = (0..3)
@@ -555,11 +569,11 @@ impl SmallFcLOpt {
             }
         }
         let p = state.var.as_tensor().to_dtype(DType::F32)?.reshape(shape)?;
-        let acc = Accumulators::update(state, &g, decays)?;
-        let new_p = if self.params.fused {
-            self.fused_update(shape, &g, &p, &acc, mlp)?
+        let (new_p, acc) = if self.params.fused {
+            self.fused_update(state, &g, &p, decays, mlp)?
         } else {
-            self.composed_update(shape, &g, &p, &acc, mlp)?
+            let acc = Accumulators::update(state, &g, decays)?;
+            (self.composed_update(shape, &g, &p, &acc, mlp)?, acc)
         };
         let new_p = new_p
             .reshape(state.var.dims())?
@@ -580,37 +594,77 @@ impl SmallFcLOpt {
     /// features.
     fn fused_update(
         &self,
-        shape: &[usize],
+        state: &TensorState,
         g: &Tensor,
         p: &Tensor,
-        acc: &Accumulators,
+        decays: &Decays,
         mlp: &StepMlp,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Accumulators)> {
+        let shape = state.shape.as_slice();
         let n = g.elem_count();
-        let flat = |t: &Tensor| t.contiguous();
-        let factors = match (&acc.factors, &acc.scaled) {
-            (Factors::Matrix { d0, d1, row, col }, Some((row_factor, col_factor))) => {
-                let stride = |d: usize| shape[d + 1..].iter().product::<usize>();
-                FusedFactors::Matrix {
-                    row: row.clone(),
-                    col: col.clone(),
-                    row_factor: row_factor.clone(),
-                    col_factor: col_factor.clone(),
-                    axis0: (stride(*d0), shape[*d0]),
-                    axis1: (stride(*d1), shape[*d1]),
-                }
+        // Matrices: the small per-row / per-column tensors first (candle ops), since every
+        // element's features need them.
+        let (factors, scaled) = match &state.factors {
+            Factors::Matrix { d0, d1, row, col } => {
+                let g2 = (g.sqr()? + 1e-30)?;
+                let (factors, scaled) = matrix_factors(*d0, *d1, row, col, &g2, decays)?;
+                (factors, Some(scaled))
             }
-            (Factors::Vector { full }, _) => FusedFactors::Vector { full: full.clone() },
-            _ => bail!("{OPT}: internal error, matrix factors without their scales"),
+            Factors::Vector { full } => (Factors::Vector { full: full.clone() }, None),
         };
-        let t = FusedTensor {
-            grad: flat(g)?,
-            param: flat(p)?,
-            momentum: acc.momentum.clone(),
-            rms: acc.rms.clone(),
-            factors,
+        let fused_factors = |full: &[Tensor; 3]| -> Result<FusedFactors> {
+            Ok(match (&factors, &scaled) {
+                (Factors::Matrix { d0, d1, row, col }, Some((row_factor, col_factor))) => {
+                    let stride = |d: usize| shape[d + 1..].iter().product::<usize>();
+                    FusedFactors::Matrix {
+                        row: row.clone(),
+                        col: col.clone(),
+                        row_factor: row_factor.clone(),
+                        col_factor: col_factor.clone(),
+                        axis0: (stride(*d0), shape[*d0]),
+                        axis1: (stride(*d1), shape[*d1]),
+                    }
+                }
+                _ => FusedFactors::Vector { full: full.clone() },
+            })
         };
-        let sums = fused::feature_sums(&t)?;
+        let old_full = match &state.factors {
+            Factors::Vector { full } => full.clone(),
+            Factors::Matrix { .. } => state.momentum.clone(), // unused placeholders
+        };
+        let previous = FusedTensor {
+            grad: g.contiguous()?,
+            param: p.contiguous()?,
+            momentum: state.momentum.clone(),
+            rms: state.rms.clone(),
+            factors: fused_factors(&old_full)?,
+        };
+        let (planes, sums) = fused::accumulate(
+            &previous,
+            fused::Decays {
+                momentum: decays.momentum.map(|d| d as f32),
+                rms: decays.rms as f32,
+                adafactor: decays.adafactor.map(|d| d as f32),
+                pad: 0.0,
+            },
+        )?;
+        let plane = |k: usize| planes.get(k)?.reshape(shape);
+        let momentum = [plane(0)?, plane(1)?, plane(2)?];
+        let rms = plane(3)?;
+        let new_full = match &factors {
+            Factors::Vector { .. } => [plane(4)?, plane(5)?, plane(6)?],
+            Factors::Matrix { .. } => old_full,
+        };
+        let current = FusedTensor {
+            momentum: momentum.clone(),
+            rms: rms.clone(),
+            factors: fused_factors(&new_full)?,
+            ..previous
+        };
+        let factors = match factors {
+            Factors::Vector { .. } => Factors::Vector { full: new_full },
+            matrix => matrix,
+        };
         let scale = ((sums / n.max(1) as f64)? + 1e-5)?.sqrt()?.recip()?;
         let hyper = fused::Hyper {
             step_mult: self.params.step_mult as f32,
@@ -618,7 +672,16 @@ impl SmallFcLOpt {
             lr: self.params.lr as f32,
             weight_decay: self.params.weight_decay as f32,
         };
-        fused::mlp_update(&t, &scale, &mlp.packed, hyper)
+        let new_p = fused::mlp_update(&current, &scale, &mlp.packed, hyper)?;
+        Ok((
+            new_p,
+            Accumulators {
+                momentum,
+                rms,
+                factors,
+                scaled,
+            },
+        ))
     }
 
     /// The reference: every feature as a tensor, stacked `[28, n]`, the MLP as matmuls.
