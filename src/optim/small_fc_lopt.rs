@@ -4,10 +4,12 @@
 //! `direction * exp(exp_mult * magnitude) * step_mult`. The algorithm follows
 //! `../shared/specs/small_fc_lopt.md` (PyLO's naive version); tests replay its golden vectors.
 //!
-//! This implementation composes candle ops, so it runs wherever the variables live (CPU or CUDA)
-//! with candle's own kernels; it materialises the `[28, n]` feature matrix and `[32, n]` hidden
-//! activations of the largest tensor, so its memory peaks at about 260 bytes per element of that
-//! tensor. Fused kernels are future work (see BENCHMARKS.md).
+//! A step per tensor: for matrices the small per-row / per-column Adafactor tensors with candle
+//! ops, then two fused per-element passes (`fused.rs`: CPU threads or CUDA kernels) — the first
+//! updates the momenta / rms (/ vector Adafactor) accumulators and sums the squared features, the
+//! second rebuilds the features, runs the MLP and writes the parameter — so the `[39, n]` features
+//! never exist in memory. `ParamsSmallFcLOpt::fused = false` selects the reference built from
+//! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
 use super::fused::{self, FusedFactors, FusedTensor};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
@@ -355,6 +357,7 @@ impl StepMlp {
         let [w_in, b_in, w_1, b_1, w_out, b_out] = &mlp.tensors;
         let first_bias = (w_in
             .narrow(1, NORMALISED, TIME_SCALES.len())?
+            .contiguous()? // CUDA matmul takes contiguous operands only
             .matmul(time)?
             .squeeze(1)?
             + b_in)?;
@@ -757,6 +760,7 @@ impl SmallFcLOpt {
         let [w_in, _, w_1, b_1, w_out, b_out] = &self.params.mlp.tensors;
         let h1 = w_in
             .narrow(1, 0, NORMALISED)?
+            .contiguous()?
             .matmul(&x)?
             .broadcast_add(&mlp.first_bias.unsqueeze(1)?)?;
         let h1 = relu_keep_nan(&h1)?;
