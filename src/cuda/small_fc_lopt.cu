@@ -4,8 +4,7 @@
 //                squares into 28 sums (warp shuffles, a block reduction, one atomic per block per
 //                feature).
 //   lopt_update: rebuilds the features, scales them by the per-tensor norms, evaluates the
-//                39-32-32-2 MLP with its weights in the constant bank (a kernel parameter), and
-//                writes the new parameter.
+//                39-32-32-2 MLP with its weights in shared memory, and writes the new parameter.
 // The small per-row / per-column Adafactor tensors of matrices are computed before these passes;
 // the 11 time features are folded into the first layer's bias by the host.
 #include "common.cuh"
@@ -160,22 +159,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) lopt_stats(LoptTensor t, D
     }
 }
 
-// The MLP as a kernel parameter: w_in [32, 28] (the normalised-feature columns), b_eff [32]
-// (bias plus time features), w_1 [32, 32], b_1 [32], w_out [2, 32], b_out [2]. Parameters live in
-// the constant bank, so with the loops fully unrolled every weight is an FFMA operand read
-// straight from it: no load instructions in the MLP.
+// mlp: w_in [32, 28] (the normalised-feature columns), b_eff [32] (bias plus time features),
+// w_1 [32, 32], b_1 [32], w_out [2, 32], b_out [2], packed in that order.
 constexpr int MLP_FLOATS = HIDDEN * FEATURES + HIDDEN + HIDDEN * HIDDEN + HIDDEN + 2 * HIDDEN + 2;
-struct MlpParams {
-    float w[MLP_FLOATS];
-};
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    lopt_update(LoptTensor t, const float* scale, const __grid_constant__ MlpParams mlp, float step_mult,
-                float exp_mult, float lr, float weight_decay, float* out) {
+extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, const float* scale, const float* mlp,
+                                                                  float step_mult, float exp_mult, float lr,
+                                                                  float weight_decay, float* out) {
+    __shared__ float w[MLP_FLOATS];
     __shared__ float norm[FEATURES];
+    for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
     if (threadIdx.x < FEATURES) norm[threadIdx.x] = scale[threadIdx.x];
     __syncthreads();
-    const float* w_in = mlp.w;
+    const float* w_in = w;
     const float* b_eff = w_in + HIDDEN * FEATURES;
     const float* w_1 = b_eff + HIDDEN;
     const float* b_1 = w_1 + HIDDEN * HIDDEN;
@@ -191,20 +187,20 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         float h1[HIDDEN];
 #pragma unroll
         for (int j = 0; j < HIDDEN; ++j) {
-            float acc = b_eff[j];
+            float s = b_eff[j];
 #pragma unroll
-            for (int f = 0; f < FEATURES; ++f) acc = fmaf(w_in[j * FEATURES + f], x[f], acc);
-            h1[j] = acc > 0.0f || acc != acc ? acc : 0.0f;  // relu that keeps NaN, as torch's does
+            for (int f = 0; f < FEATURES; ++f) s = fmaf(w_in[j * FEATURES + f], x[f], s);
+            h1[j] = s > 0.0f || s != s ? s : 0.0f;  // relu that keeps NaN, as torch's does
         }
         float direction = b_out[0], magnitude = b_out[1];
-#pragma unroll
+#pragma unroll 4
         for (int j = 0; j < HIDDEN; ++j) {
-            float acc = b_1[j];
+            float s = b_1[j];
 #pragma unroll
-            for (int i = 0; i < HIDDEN; ++i) acc = fmaf(w_1[j * HIDDEN + i], h1[i], acc);
-            acc = acc > 0.0f || acc != acc ? acc : 0.0f;
-            direction = fmaf(w_out[j], acc, direction);
-            magnitude = fmaf(w_out[HIDDEN + j], acc, magnitude);
+            for (int i = 0; i < HIDDEN; ++i) s = fmaf(w_1[j * HIDDEN + i], h1[i], s);
+            s = s > 0.0f || s != s ? s : 0.0f;
+            direction = fmaf(w_out[j], s, direction);
+            magnitude = fmaf(w_out[HIDDEN + j], s, magnitude);
         }
         const float step = direction * expf(exp_mult * magnitude) * step_mult;
         float p = s.p - lr * step;

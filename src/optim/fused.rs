@@ -115,12 +115,11 @@ pub(super) struct Hyper {
     pub weight_decay: f32,
 }
 
-/// The new parameter values (flat f32) from the feature `scale` (`[28]`) and the MLP packed on
-/// the host (`MLP_FLOATS` values).
+/// The new parameter values (flat f32) from the feature `scale` (`[28]`) and the packed MLP.
 pub(super) fn mlp_update(
     t: &FusedTensor,
     scale: &Tensor,
-    mlp: &std::sync::Arc<Vec<f32>>,
+    mlp: &Tensor,
     hyper: Hyper,
 ) -> Result<Tensor> {
     t.param.apply_op1_no_bwd(&Update {
@@ -139,7 +138,7 @@ struct Stats {
 struct Update {
     t: FusedTensor,
     scale: Tensor,
-    mlp: std::sync::Arc<Vec<f32>>,
+    mlp: Tensor,
     hyper: Hyper,
 }
 
@@ -492,9 +491,10 @@ impl CustomOp1 for Update {
         let locks = lock(&tensors);
         let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
         let t = CpuTensor::new(&self.t, &slices);
-        let extra = lock(&[&self.scale]);
+        let extra = lock(&[&self.scale, &self.mlp]);
         let scale = cpu_slice(&extra[0])?;
-        let net = CpuMlp::new(&self.mlp);
+        let mlp = cpu_slice(&extra[1])?;
+        let net = CpuMlp::new(mlp);
         let h = self.hyper;
         let n = t.grad.len();
         let mut out = crate::cpu::output_vec::<f32>(n);
@@ -536,7 +536,7 @@ impl CustomOp1 for Update {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{Decays, FusedFactors, FusedTensor, Stats, Update, FEATURES, MLP_FLOATS, OP};
+    use super::{Decays, FusedFactors, FusedTensor, Stats, Update, FEATURES, OP};
     use crate::cuda::{grid_stride_config, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DevicePtr, DeviceRepr, PushKernelArg,
@@ -570,17 +570,6 @@ mod cuda {
     unsafe impl DeviceRepr for LoptTensor {}
     // SAFETY: as above.
     unsafe impl DeviceRepr for Decays {}
-
-    /// The packed MLP passed by value (8.2 KB of kernel parameters; sm_90 takes up to 32 KB),
-    /// so the kernel reads the weights from the constant bank.
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct MlpParams {
-        w: [f32; MLP_FLOATS],
-    }
-
-    // SAFETY: plain data with the C layout the kernel expects.
-    unsafe impl DeviceRepr for MlpParams {}
 
     const THREADS: u32 = 256;
 
@@ -669,28 +658,20 @@ mod cuda {
             return Ok(());
         }
         let (scale_lock, scale_start) = view_of(&u.scale)?;
-        let Storage::Cuda(scale) = &*scale_lock else {
-            bail!("{OP}: internal error, the feature scales are not on the GPU");
+        let (mlp_lock, mlp_start) = view_of(&u.mlp)?;
+        let (Storage::Cuda(scale), Storage::Cuda(mlp)) = (&*scale_lock, &*mlp_lock) else {
+            bail!("{OP}: internal error, MLP weights are not on the GPU");
         };
         let scale = scale
             .as_cuda_slice::<f32>()?
             .slice(scale_start..scale_start + FEATURES);
-        let mut mlp = MlpParams {
-            w: [0.0; MLP_FLOATS],
-        };
-        if u.mlp.len() != MLP_FLOATS {
-            bail!(
-                "{OP}: internal error, packed MLP has {} values",
-                u.mlp.len()
-            );
-        }
-        mlp.w.copy_from_slice(&u.mlp);
+        let mlp = mlp.as_cuda_slice::<f32>()?.slice(mlp_start..);
         let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_update")?;
         let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
         let h = u.hyper;
         with_tensor(dev, &u.t, |k| {
-            // SAFETY: matches `lopt_update(LoptTensor, scale, MlpParams, step_mult, exp_mult,
-            // lr, weight_decay, out)`; scale holds 28 floats, out n; the MLP goes by value.
+            // SAFETY: matches `lopt_update(LoptTensor, scale, mlp, step_mult, exp_mult, lr,
+            // weight_decay, out)`; scale holds 28 floats, mlp MLP_FLOATS, out n.
             unsafe {
                 kernel.launch(cfg, |args| {
                     args.arg(k)

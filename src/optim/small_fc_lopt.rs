@@ -16,7 +16,6 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 const OPT: &str = "small_fc_lopt";
 /// Features per element; the first `NORMALISED` are normalised per tensor, the rest are time
@@ -116,16 +115,6 @@ impl MlpWeights {
 
     fn device(&self) -> &Device {
         self.tensors[0].device()
-    }
-
-    /// Every tensor flattened on the host.
-    fn host_copy(&self) -> Result<[Vec<f32>; 6]> {
-        let copies: Vec<Vec<f32>> = self
-            .tensors
-            .iter()
-            .map(|t| t.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>())
-            .collect::<Result<_>>()?;
-        Ok(copies.try_into().expect("six tensors"))
     }
 }
 
@@ -356,42 +345,35 @@ impl Accumulators {
     }
 }
 
-/// The MLP as one step uses it: the first layer's bias with the 11 time features folded in (a
-/// device tensor for the composed path), and every weight packed on the host for the fused
-/// passes (the CUDA kernel takes them as a kernel parameter, read from the constant bank).
+/// The MLP as one step uses it: the first layer's bias with the 11 time features folded in,
+/// and (for the fused passes) every weight packed into one buffer.
 struct StepMlp {
     first_bias: Tensor,
-    packed: Arc<Vec<f32>>,
+    packed: Tensor,
 }
 
 impl StepMlp {
-    fn new(mlp: &MlpWeights, host: &[Vec<f32>; 6], time: &[f32]) -> Result<Self> {
-        let [w_in, b_in, w_1, b_1, w_out, b_out] = host;
-        let first_bias: Vec<f32> = (0..HIDDEN)
-            .map(|j| {
-                let row = &w_in[j * NUM_FEATURES..(j + 1) * NUM_FEATURES];
-                b_in[j]
-                    + row[NORMALISED..]
-                        .iter()
-                        .zip(time)
-                        .map(|(w, t)| w * t)
-                        .sum::<f32>()
-            })
-            .collect();
-        let mut packed = Vec::with_capacity(fused::MLP_FLOATS);
-        for j in 0..HIDDEN {
-            packed.extend_from_slice(&w_in[j * NUM_FEATURES..j * NUM_FEATURES + NORMALISED]);
-        }
-        packed.extend_from_slice(&first_bias);
-        packed.extend_from_slice(w_1);
-        packed.extend_from_slice(b_1);
-        packed.extend_from_slice(w_out);
-        packed.extend_from_slice(b_out);
-        debug_assert_eq!(packed.len(), fused::MLP_FLOATS);
-        Ok(Self {
-            first_bias: Tensor::from_vec(first_bias, HIDDEN, mlp.device())?,
-            packed: Arc::new(packed),
-        })
+    fn new(mlp: &MlpWeights, time: &Tensor) -> Result<Self> {
+        let [w_in, b_in, w_1, b_1, w_out, b_out] = &mlp.tensors;
+        let first_bias = (w_in
+            .narrow(1, NORMALISED, TIME_SCALES.len())?
+            .contiguous()? // CUDA matmul takes contiguous operands only
+            .matmul(time)?
+            .squeeze(1)?
+            + b_in)?;
+        let packed = Tensor::cat(
+            &[
+                &w_in.narrow(1, 0, NORMALISED)?.flatten_all()?,
+                &first_bias,
+                &w_1.flatten_all()?,
+                b_1,
+                &w_out.flatten_all()?,
+                b_out,
+            ],
+            0,
+        )?;
+        debug_assert_eq!(packed.elem_count(), fused::MLP_FLOATS);
+        Ok(Self { first_bias, packed })
     }
 }
 
@@ -424,8 +406,6 @@ impl StepMlp {
 #[derive(Debug)]
 pub struct SmallFcLOpt {
     params: ParamsSmallFcLOpt,
-    /// Host copies of the MLP tensors (read once), for packing each step's weights.
-    mlp_host: [Vec<f32>; 6],
     states: Vec<TensorState>,
     steps: u64,
 }
@@ -462,10 +442,8 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             .into_iter()
             .map(TensorState::new)
             .collect::<Result<_>>()?;
-        let mlp_host = params.mlp.host_copy()?;
         Ok(Self {
             params,
-            mlp_host,
             states,
             steps: 0,
         })
@@ -509,7 +487,7 @@ impl candle_nn::Optimizer for SmallFcLOpt {
                 decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
             }),
         };
-        let mlp = StepMlp::new(&self.params.mlp, &self.mlp_host, &self.time_features())?;
+        let mlp = StepMlp::new(&self.params.mlp, &self.time_features()?)?;
         // Compute every new state and parameter, then commit them all.
         let mut updates = Vec::with_capacity(work.len());
         for (i, grad) in work {
@@ -560,13 +538,14 @@ impl SmallFcLOpt {
         &self.params
     }
 
-    /// `tanh(t / tau - 1)` for the 11 time scales.
-    fn time_features(&self) -> Vec<f32> {
+    /// `tanh(t / tau - 1)` for the 11 time scales, as a `[11, 1]` f32 column.
+    fn time_features(&self) -> Result<Tensor> {
         let t = self.steps as f64;
-        TIME_SCALES
+        let values: Vec<f32> = TIME_SCALES
             .iter()
             .map(|tau| (t / tau - 1.0).tanh() as f32)
-            .collect()
+            .collect();
+        Tensor::from_vec(values, (TIME_SCALES.len(), 1), self.params.mlp.device())
     }
 
     /// The new state and parameter value of one tensor, or `None` when it is skipped.
