@@ -118,7 +118,7 @@ impl MlpWeights {
     }
 }
 
-/// What [`SmallFcLOpt::step`] does with NaN or infinite gradient entries.
+/// What `SmallFcLOpt::step` ([`candle_nn::Optimizer::step`]) does with NaN or infinite gradient entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NonFiniteGrads {
     /// Use them as they are, as the reference implementation does: the tensor's per-tensor
