@@ -2,7 +2,8 @@
 # Builds the CUDA test binaries and the bench in release mode and packs them, xz-compressed, with
 # a run.sh into target/gpu-bundle/ (carry that folder to a GPU machine that has no Rust):
 #
-#     scripts/gpu-bundle.sh
+#     scripts/gpu-bundle.sh [NAME...]     # NAME: binaries to pack (e.g. test-sparse_linear bench-ops);
+#                                         # all tests, examples and the bench when none is given
 #     # on the GPU machine, from the repository root:
 #     bash target/gpu-bundle/run.sh OUTDIR [bench filters...]
 #
@@ -21,9 +22,10 @@ mkdir -p "$bundle/bin"
 echo "gpu-bundle: building tests and bench (release, --features cuda)" >&2
 cargo build --release --features cuda --tests --benches --examples --message-format=json-render-diagnostics \
     > "$bundle/cargo.json"
-python3 - "$bundle" <<'PY'
+python3 - "$bundle" "$@" <<'PY'
 import json, os, shutil, sys
 bundle = sys.argv[1]
+wanted = set(sys.argv[2:])
 seen = set()
 for line in open(os.path.join(bundle, "cargo.json")):
     msg = json.loads(line)
@@ -34,7 +36,7 @@ for line in open(os.path.join(bundle, "cargo.json")):
         continue
     prefix = {"lib": "test", "test": "test", "bench": "bench", "example": "example"}[kind]
     name = prefix + "-" + msg["target"]["name"]
-    if name in seen:
+    if name in seen or (wanted and name not in wanted):
         continue
     seen.add(name)
     shutil.copy(msg["executable"], os.path.join(bundle, "bin", name))
@@ -42,6 +44,11 @@ for line in open(os.path.join(bundle, "cargo.json")):
 PY
 rm "$bundle/cargo.json"
 for f in "$bundle"/bin/*; do xz -T0 -6 "$f"; done
+# Everything carried to the device machine must stay under 64 MiB.
+total=$(du -sm "$bundle" | cut -f1)
+if [ "$total" -ge 64 ]; then
+    echo "gpu-bundle: WARNING: ${total} MiB is over the 64 MiB carry limit; pass the binaries you need" >&2
+fi
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
