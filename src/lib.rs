@@ -8,7 +8,7 @@
 //! | [`sparse_linear`] / [`sparse_linear_pair`] / [`FeatureTransformer`] | NNUE input layer (sparse feature transformer), forward and backward | implemented |
 //! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
-//! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer` (composed candle ops; fused kernels planned) | implemented |
+//! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer`: fused per-element passes (CPU threads, CUDA kernels), state save/load | implemented (multi-tensor launches planned) |
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
