@@ -186,13 +186,14 @@ fn decay(base: f64, offset: f64) -> f64 {
 /// The Adafactor accumulators of one tensor.
 #[derive(Debug, Clone)]
 enum Factors {
-    /// Rank >= 2: `row[k]` is the mean over axis `d0` (the largest, kept with size 1), `col[k]`
-    /// the mean over `d1` (the second largest).
+    /// Rank >= 2: `row.get(k)` is the k-th accumulator of means over axis `d0` (the largest,
+    /// kept with size 1), `col.get(k)` of means over `d1` (the second largest). The three are
+    /// stacked along a leading axis so one op updates all of them.
     Matrix {
         d0: usize,
         d1: usize,
-        row: [Tensor; 3],
-        col: [Tensor; 3],
+        row: Tensor,
+        col: Tensor,
     },
     /// Rank 0 and 1: one accumulator per element.
     Vector { full: [Tensor; 3] },
@@ -233,11 +234,12 @@ impl TensorState {
             row_shape[d0] = 1;
             let mut col_shape = shape.clone();
             col_shape[d1] = 1;
+            let stacked = |shape: &[usize]| zeros(&[&[3], shape].concat());
             Factors::Matrix {
                 d0,
                 d1,
-                row: three(&row_shape)?,
-                col: three(&col_shape)?,
+                row: stacked(&row_shape)?,
+                col: stacked(&col_shape)?,
             }
         } else {
             Factors::Vector {
@@ -259,6 +261,14 @@ struct Decays {
     momentum: [f64; 3],
     rms: f64,
     adafactor: [f64; 3],
+    /// `adafactor` and `1 - adafactor` as `[3]` f32 tensors on the optimizer's device, to update
+    /// the three stacked matrix accumulators in one op.
+    adafactor_tensors: (Tensor, Tensor),
+}
+
+/// The three views of a stacked `[3, ...]` tensor.
+fn unstack(t: &Tensor) -> Result<[Tensor; 3]> {
+    Ok([t.get(0)?, t.get(1)?, t.get(2)?])
 }
 
 /// One tensor's accumulators after this step's gradient, and for matrices the per-row and
@@ -278,34 +288,36 @@ type Scales = ([Tensor; 3], [Tensor; 3]);
 fn matrix_factors(
     d0: usize,
     d1: usize,
-    row: &[Tensor; 3],
-    col: &[Tensor; 3],
+    row: &Tensor,
+    col: &Tensor,
     g2: &Tensor,
     decays: &Decays,
 ) -> Result<(Factors, Scales)> {
-    let row_mean = g2.mean_keepdim(d0)?;
-    let col_mean = g2.mean_keepdim(d1)?;
-    let (mut new_row, mut new_col) = (Vec::new(), Vec::new());
-    let (mut row_factors, mut col_factors) = (Vec::new(), Vec::new());
-    for k in 0..3 {
-        let r = ema(&row[k], &row_mean, decays.adafactor[k])?;
-        let c = ema(&col[k], &col_mean, decays.adafactor[k])?;
-        row_factors.push(srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1)? + 1e-9)?)?)?);
-        col_factors.push(srsqrt(&c)?);
-        new_row.push(r);
-        new_col.push(c);
-    }
+    // Each op works on the three stacked accumulators at once (axis 0), d0 and d1 move to
+    // d0 + 1 and d1 + 1.
+    let (beta, rest) = &decays.adafactor_tensors;
+    let lead: Vec<usize> = std::iter::once(3)
+        .chain(std::iter::repeat_n(1, g2.rank()))
+        .collect();
+    let (beta, rest) = (
+        beta.reshape(lead.as_slice())?,
+        rest.reshape(lead.as_slice())?,
+    );
+    let ema3 = |acc: &Tensor, mean: Tensor| -> Result<Tensor> {
+        acc.broadcast_mul(&beta)? + mean.unsqueeze(0)?.broadcast_mul(&rest)?
+    };
+    let r = ema3(row, g2.mean_keepdim(d0)?)?;
+    let c = ema3(col, g2.mean_keepdim(d1)?)?;
+    let row_factor = srsqrt(&r.broadcast_div(&(r.mean_keepdim(d1 + 1)? + 1e-9)?)?)?;
+    let col_factor = srsqrt(&c)?;
     Ok((
         Factors::Matrix {
             d0,
             d1,
-            row: new_row.try_into().expect("three"),
-            col: new_col.try_into().expect("three"),
+            row: r,
+            col: c,
         },
-        (
-            row_factors.try_into().expect("three"),
-            col_factors.try_into().expect("three"),
-        ),
+        (unstack(&row_factor)?, unstack(&col_factor)?),
     ))
 }
 
@@ -486,6 +498,16 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             adafactor: std::array::from_fn(|k| {
                 decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
             }),
+            adafactor_tensors: {
+                let dev = self.params.mlp.device();
+                let betas: [f64; 3] = std::array::from_fn(|k| {
+                    decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
+                });
+                (
+                    Tensor::new(&betas.map(|b| b as f32), dev)?,
+                    Tensor::new(&betas.map(|b| (1.0 - b) as f32), dev)?,
+                )
+            },
         };
         let mlp = StepMlp::new(&self.params.mlp, &self.time_features()?)?;
         // Compute every new state and parameter, then commit them all.
@@ -620,8 +642,8 @@ impl SmallFcLOpt {
                 (Factors::Matrix { d0, d1, row, col }, Some((row_factor, col_factor))) => {
                     let stride = |d: usize| shape[d + 1..].iter().product::<usize>();
                     FusedFactors::Matrix {
-                        row: row.clone(),
-                        col: col.clone(),
+                        row: unstack(row)?,
+                        col: unstack(col)?,
                         row_factor: row_factor.clone(),
                         col_factor: col_factor.clone(),
                         axis0: (stride(*d0), shape[*d0]),
@@ -703,6 +725,7 @@ impl SmallFcLOpt {
         let mut fac_m = Vec::with_capacity(3);
         match (&acc.factors, &acc.scaled) {
             (Factors::Matrix { row, col, .. }, Some((row_factor, col_factor))) => {
+                let (row, col) = (unstack(row)?, unstack(col)?);
                 for k in 0..3 {
                     fac_g.push(
                         g.broadcast_mul(&row_factor[k])?
@@ -793,7 +816,7 @@ impl SmallFcLOpt {
             map.insert(format!("{i}.rms"), s.rms.clone());
             match &s.factors {
                 Factors::Matrix { row, col, .. } => {
-                    for (k, (r, c)) in row.iter().zip(col).enumerate() {
+                    for (k, (r, c)) in unstack(row)?.iter().zip(&unstack(col)?).enumerate() {
                         map.insert(format!("{i}.row.{k}"), r.clone());
                         map.insert(format!("{i}.col.{k}"), c.clone());
                     }
@@ -849,8 +872,8 @@ impl SmallFcLOpt {
                 Factors::Matrix { d0, d1, row, col } => Factors::Matrix {
                     d0: *d0,
                     d1: *d1,
-                    row: three("row", row)?,
-                    col: three("col", col)?,
+                    row: Tensor::stack(&three("row", &unstack(row)?)?, 0)?,
+                    col: Tensor::stack(&three("col", &unstack(col)?)?, 0)?,
                 },
                 Factors::Vector { full } => Factors::Vector {
                     full: three("full", full)?,
