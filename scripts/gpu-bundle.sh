@@ -80,11 +80,13 @@ missing=$(ldd "$work"/bench-* | grep 'not found' | sort -u)
 status=0
 : > "$out/tests.log"
 for t in "$work"/test-*; do
+    [ -e "$t" ] || continue
     echo "=== $(basename "$t")" | tee -a "$out/tests.log"
     (cd "$here/../.." && "$t" --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
     grep -E '^test result|SKIPPED|note:' "$out/tests.log" | tail -n 3
 done
 for e in "$work"/example-*; do
+    [ -e "$e" ] || continue
     echo "=== $(basename "$e")"
     (cd "$here/../.." && "$e") 2>&1 | tee -a "$out/tests.log" || { status=1; echo "FAILED: $(basename "$e")"; }
 done
