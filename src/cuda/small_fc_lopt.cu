@@ -163,13 +163,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) lopt_stats(LoptTensor t, D
 // w_1 [32, 32], b_1 [32], w_out [2, 32], b_out [2], packed in that order.
 constexpr int MLP_FLOATS = HIDDEN * FEATURES + HIDDEN + HIDDEN * HIDDEN + HIDDEN + 2 * HIDDEN + 2;
 
-extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, const float* scale, const float* mlp,
+extern "C" __global__ void __launch_bounds__(THREADS) lopt_update(LoptTensor t, const float* sums, const float* mlp,
                                                                   float step_mult, float exp_mult, float lr,
                                                                   float weight_decay, float* out) {
     __shared__ float w[MLP_FLOATS];
     __shared__ float norm[FEATURES];
     for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
-    if (threadIdx.x < FEATURES) norm[threadIdx.x] = scale[threadIdx.x];
+    // The per-tensor norms from pass 1's sums of squares: 1 / sqrt(mean + 1e-5).
+    if (threadIdx.x < FEATURES) norm[threadIdx.x] = 1.0f / sqrtf(sums[threadIdx.x] / static_cast<float>(t.n) + 1e-5f);
     __syncthreads();
     const float* w_in = w;
     const float* b_eff = w_in + HIDDEN * FEATURES;

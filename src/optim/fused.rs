@@ -115,16 +115,17 @@ pub(super) struct Hyper {
     pub weight_decay: f32,
 }
 
-/// The new parameter values (flat f32) from the feature `scale` (`[28]`) and the packed MLP.
+/// The new parameter values (flat f32) from pass 1's feature `sums` of squares (`[28]`) and the
+/// packed MLP; the per-tensor norms `1 / sqrt(sum / n + 1e-5)` are taken inside the pass.
 pub(super) fn mlp_update(
     t: &FusedTensor,
-    scale: &Tensor,
+    sums: &Tensor,
     mlp: &Tensor,
     hyper: Hyper,
 ) -> Result<Tensor> {
     t.param.apply_op1_no_bwd(&Update {
         t: t.clone(),
-        scale: scale.clone(),
+        sums: sums.clone(),
         mlp: mlp.clone(),
         hyper,
     })
@@ -137,7 +138,7 @@ struct Stats {
 
 struct Update {
     t: FusedTensor,
-    scale: Tensor,
+    sums: Tensor,
     mlp: Tensor,
     hyper: Hyper,
 }
@@ -491,8 +492,13 @@ impl CustomOp1 for Update {
         let locks = lock(&tensors);
         let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
         let t = CpuTensor::new(&self.t, &slices);
-        let extra = lock(&[&self.scale, &self.mlp]);
-        let scale = cpu_slice(&extra[0])?;
+        let extra = lock(&[&self.sums, &self.mlp]);
+        let n_elems = self.t.grad.elem_count().max(1) as f32;
+        let scale: Vec<f32> = cpu_slice(&extra[0])?
+            .iter()
+            .map(|&sum| 1.0 / (sum / n_elems + 1e-5).sqrt())
+            .collect();
+        let scale = scale.as_slice();
         let mlp = cpu_slice(&extra[1])?;
         let net = CpuMlp::new(mlp);
         let h = self.hyper;
@@ -657,7 +663,7 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        let (scale_lock, scale_start) = view_of(&u.scale)?;
+        let (scale_lock, scale_start) = view_of(&u.sums)?;
         let (mlp_lock, mlp_start) = view_of(&u.mlp)?;
         let (Storage::Cuda(scale), Storage::Cuda(mlp)) = (&*scale_lock, &*mlp_lock) else {
             bail!("{OP}: internal error, MLP weights are not on the GPU");
@@ -670,8 +676,8 @@ mod cuda {
         let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
         let h = u.hyper;
         with_tensor(dev, &u.t, |k| {
-            // SAFETY: matches `lopt_update(LoptTensor, scale, mlp, step_mult, exp_mult, lr,
-            // weight_decay, out)`; scale holds 28 floats, mlp MLP_FLOATS, out n.
+            // SAFETY: matches `lopt_update(LoptTensor, sums, mlp, step_mult, exp_mult, lr,
+            // weight_decay, out)`; sums holds 28 floats, mlp MLP_FLOATS, out n.
             unsafe {
                 kernel.launch(cfg, |args| {
                     args.arg(k)

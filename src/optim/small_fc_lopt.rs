@@ -626,7 +626,6 @@ impl SmallFcLOpt {
         mlp: &StepMlp,
     ) -> Result<(Tensor, Accumulators)> {
         let shape = state.shape.as_slice();
-        let n = g.elem_count();
         // Matrices: the small per-row / per-column tensors first (candle ops), since every
         // element's features need them.
         let (factors, scaled) = match &state.factors {
@@ -690,14 +689,13 @@ impl SmallFcLOpt {
             Factors::Vector { .. } => Factors::Vector { full: new_full },
             matrix => matrix,
         };
-        let scale = ((sums / n.max(1) as f64)? + 1e-5)?.sqrt()?.recip()?;
         let hyper = fused::Hyper {
             step_mult: self.params.step_mult as f32,
             exp_mult: self.params.exp_mult as f32,
             lr: self.params.lr as f32,
             weight_decay: self.params.weight_decay as f32,
         };
-        let new_p = fused::mlp_update(&current, &scale, &mlp.packed, hyper)?;
+        let new_p = fused::mlp_update(&current, &sums, &mlp.packed, hyper)?;
         Ok((
             new_p,
             Accumulators {
