@@ -15,6 +15,22 @@ pub(crate) fn output_vec<T>(len: usize) -> Vec<T> {
     vec
 }
 
+/// The data of a contiguous CPU tensor held under a read lock (`Tensor::storage_and_layout`):
+/// how ops reach tensors they keep beside their candle arguments. `op` names the op in errors.
+pub(crate) fn locked_slice<'a, T: candle_core::WithDType>(
+    lock: &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
+    op: &str,
+) -> candle_core::Result<&'a [T]> {
+    let (storage, layout) = lock;
+    let candle_core::Storage::Cpu(storage) = &**storage else {
+        candle_core::bail!("{op}: internal error, a held tensor is not on the CPU");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{op}: internal error, a held tensor is not contiguous");
+    };
+    Ok(&storage.as_slice::<T>()?[start..end])
+}
+
 /// The spare capacity of `vec`, `len` elements long, to be written in parallel.
 pub(crate) fn spare<T>(vec: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
     &mut vec.spare_capacity_mut()[..len]

@@ -12,8 +12,7 @@
 use crate::cpu::{output_vec, spare, CpuFloat};
 use crate::dispatch::with_float_cpu;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
-    WithDType,
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType,
 };
 use candle_nn::init::Init;
 use num_traits::{NumCast, Zero};
@@ -612,14 +611,7 @@ mod cpu {
     }
 
     fn slice<'a, T: WithDType>(lock: &'a (StorageRef<'_>, &Layout)) -> Result<&'a [T]> {
-        let (storage, layout) = lock;
-        let Storage::Cpu(storage) = &**storage else {
-            bail!("{OP}: internal error, a feature tensor is not on the CPU");
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("{OP}: internal error, a feature tensor is not contiguous");
-        };
-        Ok(&storage.as_slice::<T>()?[start..end])
+        crate::cpu::locked_slice(lock, OP)
     }
 
     impl Locks<'_> {
@@ -937,32 +929,44 @@ mod cuda {
         }
     }
 
-    /// Pushes the feature arguments shared by both kernels: shape, idx0, idx1, val0, val1, stm.
-    fn push_features<'a>(
-        args: &mut LaunchArgs<'a>,
-        shape: &'a SparseShape,
-        indices: &'a [Option<CudaView<'a, i32>>; 2],
-        values: &'a [Option<CudaView<'a, f32>>; 2],
-        side_first: &'a Option<CudaView<'a, u8>>,
-        null: &'a u64,
-    ) {
-        args.arg(shape);
-        for view in indices {
-            match view {
+    /// The feature tensors as kernel arguments (absent ones as null pointers).
+    struct FeatureArgs<'a> {
+        indices: [Option<CudaView<'a, i32>>; 2],
+        values: [Option<CudaView<'a, f32>>; 2],
+        side_first: Option<CudaView<'a, u8>>,
+        null: u64,
+    }
+
+    impl<'a> FeatureArgs<'a> {
+        fn new(views: &'a FeatureViews<'_>) -> Result<Self> {
+            Ok(Self {
+                indices: [views.view::<i32>(0)?, views.view::<i32>(1)?],
+                values: [views.view::<f32>(2)?, views.view::<f32>(3)?],
+                side_first: views.view::<u8>(4)?,
+                null: 0,
+            })
+        }
+
+        /// Pushes the arguments shared by both kernels: shape, idx0, idx1, val0, val1, stm.
+        fn push<'s>(&'s self, args: &mut LaunchArgs<'s>, shape: &'s SparseShape) {
+            args.arg(shape);
+            for view in &self.indices {
+                match view {
+                    Some(v) => args.arg(v),
+                    None => args.arg(&self.null),
+                };
+            }
+            for view in &self.values {
+                match view {
+                    Some(v) => args.arg(v),
+                    None => args.arg(&self.null),
+                };
+            }
+            match &self.side_first {
                 Some(v) => args.arg(v),
-                None => args.arg(null),
+                None => args.arg(&self.null),
             };
         }
-        for view in values {
-            match view {
-                Some(v) => args.arg(v),
-                None => args.arg(null),
-            };
-        }
-        match side_first {
-            Some(v) => args.arg(v),
-            None => args.arg(null),
-        };
     }
 
     fn shape(
@@ -1016,10 +1020,7 @@ mod cuda {
         let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
         let cfg = plan.config(dev, tasks)?;
         let views = FeatureViews::new(f);
-        let indices = [views.view::<i32>(0)?, views.view::<i32>(1)?];
-        let values = [views.view::<f32>(2)?, views.view::<f32>(3)?];
-        let side_first = views.view::<u8>(4)?;
-        let null = 0u64;
+        let features = FeatureArgs::new(&views)?;
         for (begin, end) in plan.launches() {
             let shape = shape(dev, f, weight_stride, begin, end)?;
             // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
@@ -1029,7 +1030,7 @@ mod cuda {
             // x out elements.
             unsafe {
                 kernel.launch(cfg, |args| {
-                    push_features(args, &shape, &indices, &values, &side_first, &null);
+                    features.push(args, &shape);
                     args.arg(weight).arg(bias).arg(out);
                 })?;
             }
@@ -1054,10 +1055,7 @@ mod cuda {
         let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
         let cfg = plan.config(dev, tasks)?;
         let views = FeatureViews::new(f);
-        let indices = [views.view::<i32>(0)?, views.view::<i32>(1)?];
-        let values = [views.view::<f32>(2)?, views.view::<f32>(3)?];
-        let side_first = views.view::<u8>(4)?;
-        let null = 0u64;
+        let features = FeatureArgs::new(&views)?;
         for (begin, end) in plan.launches() {
             let shape = shape(dev, f, f.out, begin, end)?;
             // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
@@ -1065,7 +1063,7 @@ mod cuda {
             // and grad (num_inputs + 1) x out, written only at rows checked against num_inputs.
             unsafe {
                 kernel.launch(cfg, |args| {
-                    push_features(args, &shape, &indices, &values, &side_first, &null);
+                    features.push(args, &shape);
                     args.arg(grad_out).arg(grad);
                 })?;
             }

@@ -3,9 +3,7 @@
 //! MLP and writes the new parameter. CPU (rayon) and CUDA (`src/cuda/small_fc_lopt.cu`) share
 //! the feature definition; the composed-ops path in `small_fc_lopt.rs` is their reference.
 
-use candle_core::{
-    bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, StorageRef, Tensor,
-};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, StorageRef, Tensor};
 use rayon::prelude::*;
 
 const OP: &str = "small_fc_lopt";
@@ -149,14 +147,15 @@ fn lock<'a>(tensors: &[&'a Tensor]) -> Vec<(StorageRef<'a>, &'a Layout)> {
 }
 
 fn cpu_slice<'a>(lock: &'a (StorageRef<'_>, &Layout)) -> Result<&'a [f32]> {
-    let (storage, layout) = lock;
-    let Storage::Cpu(storage) = &**storage else {
-        bail!("{OP}: internal error, a state tensor is not on the CPU");
-    };
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("{OP}: internal error, a state tensor is not contiguous");
-    };
-    Ok(&storage.as_slice::<f32>()?[start..end])
+    crate::cpu::locked_slice(lock, OP)
+}
+
+/// Runs `f` on the CPU slices of `t`'s tensors, read-locked for the call.
+fn with_cpu_tensor<R>(t: &FusedTensor, f: impl FnOnce(&CpuTensor) -> Result<R>) -> Result<R> {
+    let tensors = t.tensors();
+    let locks = lock(&tensors);
+    let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
+    f(&CpuTensor::new(t, &slices))
 }
 
 /// One tensor's data as CPU slices.
@@ -307,63 +306,61 @@ impl CustomOp1 for Stats {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let tensors = self.t.tensors();
-        let locks = lock(&tensors);
-        let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
-        let t = CpuTensor::new(&self.t, &slices);
-        let n = t.grad.len();
-        let planes = planes(&self.t);
-        let d = self.decays;
-        let mut out = vec![0f32; planes * n + FEATURES];
-        let (accumulators, sums_out) = out.split_at_mut(planes * n);
-        // Plane-major output: chunk c of every plane belongs to the rayon task of chunk c.
-        let mut plane_chunks: Vec<Vec<&mut [f32]>> =
-            (0..n.div_ceil(CHUNK)).map(|_| Vec::new()).collect();
-        for plane in accumulators.chunks_mut(n.max(1)) {
-            for (c, chunk) in plane.chunks_mut(CHUNK).enumerate() {
-                plane_chunks[c].push(chunk);
+        with_cpu_tensor(&self.t, |t| {
+            let n = t.grad.len();
+            let planes = planes(&self.t);
+            let d = self.decays;
+            let mut out = vec![0f32; planes * n + FEATURES];
+            let (accumulators, sums_out) = out.split_at_mut(planes * n);
+            // Plane-major output: chunk c of every plane belongs to the rayon task of chunk c.
+            let mut plane_chunks: Vec<Vec<&mut [f32]>> =
+                (0..n.div_ceil(CHUNK)).map(|_| Vec::new()).collect();
+            for plane in accumulators.chunks_mut(n.max(1)) {
+                for (c, chunk) in plane.chunks_mut(CHUNK).enumerate() {
+                    plane_chunks[c].push(chunk);
+                }
             }
-        }
-        let sums = plane_chunks
-            .into_par_iter()
-            .enumerate()
-            .map(|(chunk, mut dst)| {
-                let mut acc = [0f64; FEATURES];
-                for (i, e) in (chunk * CHUNK..((chunk + 1) * CHUNK).min(n)).enumerate() {
-                    let mut s = t.load(e);
-                    let g2 = s.g * s.g;
-                    for (k, plane) in dst.iter_mut().take(3).enumerate() {
-                        s.m[k] = d.momentum[k] * s.m[k] + (1.0 - d.momentum[k]) * s.g;
-                        plane[i] = s.m[k];
-                    }
-                    s.v = d.rms * s.v + (1.0 - d.rms) * g2;
-                    dst[3][i] = s.v;
-                    if planes == 7 {
-                        for k in 0..3 {
-                            s.full[k] =
-                                d.adafactor[k] * s.full[k] + (1.0 - d.adafactor[k]) * (g2 + 1e-30);
-                            dst[4 + k][i] = s.full[k];
+            let sums = plane_chunks
+                .into_par_iter()
+                .enumerate()
+                .map(|(chunk, mut dst)| {
+                    let mut acc = [0f64; FEATURES];
+                    for (i, e) in (chunk * CHUNK..((chunk + 1) * CHUNK).min(n)).enumerate() {
+                        let mut s = t.load(e);
+                        let g2 = s.g * s.g;
+                        for (k, plane) in dst.iter_mut().take(3).enumerate() {
+                            s.m[k] = d.momentum[k] * s.m[k] + (1.0 - d.momentum[k]) * s.g;
+                            plane[i] = s.m[k];
+                        }
+                        s.v = d.rms * s.v + (1.0 - d.rms) * g2;
+                        dst[3][i] = s.v;
+                        if planes == 7 {
+                            for k in 0..3 {
+                                s.full[k] = d.adafactor[k] * s.full[k]
+                                    + (1.0 - d.adafactor[k]) * (g2 + 1e-30);
+                                dst[4 + k][i] = s.full[k];
+                            }
+                        }
+                        let x = t.features(e, &s);
+                        for (a, &v) in acc.iter_mut().zip(&x) {
+                            *a += (v * v) as f64;
                         }
                     }
-                    let x = t.features(e, &s);
-                    for (a, &v) in acc.iter_mut().zip(&x) {
-                        *a += (v * v) as f64;
-                    }
-                }
-                acc
-            })
-            .reduce(
-                || [0f64; FEATURES],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
-        for (o, s) in sums_out.iter_mut().zip(&sums) {
-            *o = *s as f32;
-        }
-        let len = out.len();
-        Ok((CpuStorage::F32(out), Shape::from(len)))
+                    acc
+                })
+                .reduce(
+                    || [0f64; FEATURES],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                        a
+                    },
+                );
+            for (o, s) in sums_out.iter_mut().zip(&sums) {
+                *o = *s as f32;
+            }
+            let len = out.len();
+            Ok((CpuStorage::F32(out), Shape::from(len)))
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -488,39 +485,37 @@ impl CustomOp1 for Update {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let tensors = self.t.tensors();
-        let locks = lock(&tensors);
-        let slices: Vec<&[f32]> = locks.iter().map(cpu_slice).collect::<Result<_>>()?;
-        let t = CpuTensor::new(&self.t, &slices);
-        let extra = lock(&[&self.sums, &self.mlp]);
-        let n_elems = self.t.grad.elem_count().max(1) as f32;
-        let scale: Vec<f32> = cpu_slice(&extra[0])?
-            .iter()
-            .map(|&sum| 1.0 / (sum / n_elems + 1e-5).sqrt())
-            .collect();
-        let scale = scale.as_slice();
-        let mlp = cpu_slice(&extra[1])?;
-        let net = CpuMlp::new(mlp);
-        let h = self.hyper;
-        let n = t.grad.len();
-        let mut out = crate::cpu::output_vec::<f32>(n);
-        #[cfg(target_arch = "x86_64")]
-        let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        crate::cpu::spare(&mut out, n)
-            .par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(chunk, dst)| {
-                #[cfg(target_arch = "x86_64")]
-                if wide {
-                    // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                    unsafe { update_chunk_avx2(&t, &net, scale, h, chunk * CHUNK, dst) };
-                    return;
-                }
-                update_chunk(&t, &net, scale, h, chunk * CHUNK, dst)
-            });
-        // SAFETY: the chunks cover 0..n and write every element.
-        unsafe { out.set_len(n) };
-        Ok((CpuStorage::F32(out), Shape::from(n)))
+        with_cpu_tensor(&self.t, |t| {
+            let extra = lock(&[&self.sums, &self.mlp]);
+            let n_elems = self.t.grad.elem_count().max(1) as f32;
+            let scale: Vec<f32> = cpu_slice(&extra[0])?
+                .iter()
+                .map(|&sum| 1.0 / (sum / n_elems + 1e-5).sqrt())
+                .collect();
+            let scale = scale.as_slice();
+            let mlp = cpu_slice(&extra[1])?;
+            let net = CpuMlp::new(mlp);
+            let h = self.hyper;
+            let n = t.grad.len();
+            let mut out = crate::cpu::output_vec::<f32>(n);
+            #[cfg(target_arch = "x86_64")]
+            let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            crate::cpu::spare(&mut out, n)
+                .par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(chunk, dst)| {
+                    #[cfg(target_arch = "x86_64")]
+                    if wide {
+                        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                        unsafe { update_chunk_avx2(t, &net, scale, h, chunk * CHUNK, dst) };
+                        return;
+                    }
+                    update_chunk(t, &net, scale, h, chunk * CHUNK, dst)
+                });
+            // SAFETY: the chunks cover 0..n and write every element.
+            unsafe { out.set_len(n) };
+            Ok((CpuStorage::F32(out), Shape::from(n)))
+        })
     }
 
     #[cfg(feature = "cuda")]
