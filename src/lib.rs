@@ -6,7 +6,8 @@
 //! | --- | --- | --- |
 //! | [`bias_add`] / [`bias_add_`] | TensorFlow `BiasAdd`: a 1-D bias along any dim | implemented |
 //! | [`sparse_linear`] / [`sparse_linear_pair`] / [`FeatureTransformer`] | NNUE input layer (sparse feature transformer), forward and backward | implemented |
-//! | masked batched matmul, argmin-matmul | tiled matmul with masking / argmin epilogues | planned |
+//! | [`masked_bmm`] / [`masked_bmm_with_plan`] / [`MaskPlan`] | batched matmul masked by a u8 mask, fully masked tiles skipped | implemented (f32 on CUDA cores; no tensor cores yet) |
+//! | [`argmin_matmul`] / [`kmeans_assign`] | argmin over the columns of `a . b` without materialising it (k-means assignment) | implemented (f32 on CUDA cores) |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
 //! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer`: fused per-element passes (CPU threads, CUDA kernels), state save/load | implemented (multi-tensor launches planned) |
 //!
@@ -43,22 +44,27 @@
 //!
 //! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
 
+mod argmin_matmul;
 mod bias_add;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod determinism;
 mod dispatch;
+mod masked_bmm;
+mod matmul_core;
 pub mod optim;
 mod poison;
 mod reduce_plan;
 mod softmax;
 mod sparse_linear;
 
+pub use argmin_matmul::{argmin_matmul, kmeans_assign, kmeans_assign_with_distances};
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};
+pub use masked_bmm::{masked_bmm, masked_bmm_with_plan, MaskPlan};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;

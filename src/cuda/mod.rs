@@ -18,6 +18,7 @@ pub(crate) enum Module {
     Softmax,
     SparseLinear,
     SmallFcLOpt,
+    Matmul,
 }
 
 impl Module {
@@ -27,6 +28,7 @@ impl Module {
             Module::Softmax => "candle_fastops_softmax",
             Module::SparseLinear => "candle_fastops_sparse_linear",
             Module::SmallFcLOpt => "candle_fastops_small_fc_lopt",
+            Module::Matmul => "candle_fastops_matmul",
         }
     }
 
@@ -36,6 +38,7 @@ impl Module {
             Module::Softmax => ptx::SOFTMAX,
             Module::SparseLinear => ptx::SPARSE_LINEAR,
             Module::SmallFcLOpt => ptx::SMALL_FC_LOPT,
+            Module::Matmul => ptx::MATMUL,
         }
     }
 }
@@ -78,14 +81,27 @@ impl Kernel {
 pub(crate) fn alloc_output<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
     // SAFETY: the kernel writes every element (and tests check it with poisoning on).
     let mut out = unsafe { dev.alloc::<T>(len)? };
-    if crate::poison::poison_outputs() && len > 0 {
-        let stream = dev.cuda_stream();
-        let bytes = len * std::mem::size_of::<T>();
-        let (ptr, _guard) = driver::DevicePtrMut::device_ptr_mut(&mut out, &stream);
-        // SAFETY: `ptr` addresses `bytes` bytes owned by `out`, on `stream`.
-        unsafe { driver::result::memset_d8_async(ptr, 0xFF, bytes, stream.cu_stream()) }.w()?;
+    if crate::poison::poison_outputs() {
+        fill_bytes(dev, &mut out, 0xFF)?;
     }
     Ok(out)
+}
+
+/// Sets every byte of `buf` to `byte`, asynchronously on the device's stream.
+pub(crate) fn fill_bytes<T: DeviceRepr>(
+    dev: &CudaDevice,
+    buf: &mut CudaSlice<T>,
+    byte: u8,
+) -> Result<()> {
+    let bytes = buf.len() * std::mem::size_of::<T>();
+    if bytes == 0 {
+        return Ok(());
+    }
+    let stream = dev.cuda_stream();
+    let (ptr, _guard) = driver::DevicePtrMut::device_ptr_mut(buf, &stream);
+    // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`, on `stream`.
+    unsafe { driver::result::memset_d8_async(ptr, byte, bytes, stream.cu_stream()) }.w()?;
+    Ok(())
 }
 
 /// Number of streaming multiprocessors, for sizing persistent / grid-stride launches.

@@ -1,0 +1,431 @@
+//! Argmin over the columns of a matrix product, `argmin_j scale * (a . b)[i, j] + bias[j]`,
+//! without materialising the product: the k-means assignment step.
+//!
+//! On CUDA each block computes product tiles with the core in `src/cuda/matmul.cu` and keeps, per
+//! row, the running minimum and its column packed into one 64-bit key (order-preserving float
+//! bits, then the column), merged across blocks with one 64-bit `atomicMin` per row: the value
+//! and the index can never disagree, and ties resolve to the lowest column whatever order blocks
+//! run in. Extra device memory is 8 bytes per row. On the CPU each task multiplies a block of
+//! rows by a block of columns into a small buffer and scans it.
+
+use crate::matmul_core::{cpu_block_product, CpuGemm, MatView};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+const OP: &str = "argmin_matmul";
+
+/// For each row `i` of `a . b`, the column `j` minimising `scale * (a . b)[i, j] + col_bias[j]`.
+///
+/// * `a` `[.., m, k]`, `b` `[.., k, n]` with the same leading (batch) dims, or `b` 2-D and shared
+///   by every batch entry. Returns u32 `[.., m]`.
+/// * `col_bias`: optional `[n]` (any float dtype; used in f32). `scale` is applied in f32.
+/// * Ties go to the lowest `j`, deterministically on every device. `-0.0` equals `0.0`; a NaN
+///   score counts as larger than every number (a row of NaN scores gets index 0).
+/// * `b` may be a transposed view (`centroids.t()`): read in place, never copied. Leading dims
+///   of `a` that do not collapse into one stride are copied.
+/// * dtypes: f32, f16, bf16 (products accumulated in f32, on CUDA cores: no TF32), f64 on the
+///   CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
+/// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let dev = Device::Cpu;
+/// let a = Tensor::new(&[[1f32, 0.], [0., 1.], [1., 1.]], &dev)?;
+/// let b = Tensor::new(&[[3f32, -1., 0.], [0., 2., -5.]], &dev)?;
+/// // a . b = [[3, -1, 0], [0, 2, -5], [3, 1, -5]]
+/// let idx = candle_fastops::argmin_matmul(&a, &b, None, 1.0)?;
+/// assert_eq!(idx.to_vec1::<u32>()?, [1, 2, 2]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn argmin_matmul(
+    a: &Tensor,
+    b: &Tensor,
+    col_bias: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    check_args(a, b, col_bias)?;
+    let n = b.dim(D::Minus1)?;
+    let bias = match col_bias {
+        Some(bias) => bias.to_dtype(DType::F32)?.contiguous()?,
+        None => Tensor::zeros(n, DType::F32, a.device())?,
+    };
+    let a = if MatView::from_layout(a.layout()).is_some() {
+        a.clone()
+    } else {
+        a.contiguous()?
+    };
+    let b = if MatView::from_layout(b.layout()).is_some() {
+        b.clone()
+    } else {
+        b.contiguous()?
+    };
+    let op = ArgminMatmul {
+        scale: scale as f32,
+    };
+    if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
+        return a
+            .to_dtype(DType::F32)?
+            .apply_op3_no_bwd(&b.to_dtype(DType::F32)?, &bias, &op);
+    }
+    a.apply_op3_no_bwd(&b, &bias, &op)
+}
+
+/// Index of the nearest centroid (squared L2) for each row of `x`: `x` `[n, d]`, `centroids`
+/// `[c, d]`, returns u32 `[n]`. Computed as [`argmin_matmul`] of `x . centroids^T` with
+/// `scale = -2` and `|centroid|^2` as the column bias (the `|x|^2` term is the same for every
+/// centroid), reading `centroids` in place.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let dev = Device::Cpu;
+/// let x = Tensor::new(&[[0f32, 0.], [9., 9.], [4., 6.]], &dev)?;
+/// let centroids = Tensor::new(&[[10f32, 10.], [0., 1.]], &dev)?;
+/// let assign = candle_fastops::kmeans_assign(&x, &centroids)?;
+/// assert_eq!(assign.to_vec1::<u32>()?, [1, 0, 0]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn kmeans_assign(x: &Tensor, centroids: &Tensor) -> Result<Tensor> {
+    check_kmeans(x, centroids)?;
+    let norms = centroids
+        .to_dtype(DType::F32)?
+        .sqr()?
+        .sum(D::Minus1)?
+        .contiguous()?;
+    argmin_matmul(x, &centroids.t()?, Some(&norms), -2.0)
+}
+
+/// [`kmeans_assign`] and the squared distance of each row to its centroid (f32 `[n]`, computed
+/// exactly from the assigned centroid, so it is never negative).
+pub fn kmeans_assign_with_distances(x: &Tensor, centroids: &Tensor) -> Result<(Tensor, Tensor)> {
+    let assign = kmeans_assign(x, centroids)?;
+    let nearest = centroids.to_dtype(DType::F32)?.index_select(&assign, 0)?;
+    let dist = (x.to_dtype(DType::F32)? - nearest)?.sqr()?.sum(D::Minus1)?;
+    Ok((assign, dist))
+}
+
+fn check_kmeans(x: &Tensor, centroids: &Tensor) -> Result<()> {
+    if x.rank() != 2 || centroids.rank() != 2 {
+        bail!(
+            "kmeans_assign: x must be [n, d] and centroids [c, d], got shapes {:?} and {:?}",
+            x.dims(),
+            centroids.dims()
+        );
+    }
+    if x.dim(1)? != centroids.dim(1)? {
+        bail!(
+            "kmeans_assign: x has {} features per row but centroids have {}",
+            x.dim(1)?,
+            centroids.dim(1)?
+        );
+    }
+    Ok(())
+}
+
+fn check_args(a: &Tensor, b: &Tensor, col_bias: Option<&Tensor>) -> Result<()> {
+    if a.rank() < 2 || b.rank() < 2 {
+        bail!(
+            "{OP}: a must be [.., m, k] and b [.., k, n], got shapes {:?} and {:?}",
+            a.dims(),
+            b.dims()
+        );
+    }
+    let (k, k_b, n) = (a.dim(D::Minus1)?, b.dim(D::Minus2)?, b.dim(D::Minus1)?);
+    if k != k_b {
+        bail!(
+            "{OP}: inner dims differ, a is {:?} and b is {:?}",
+            a.dims(),
+            b.dims()
+        );
+    }
+    let (a_lead, b_lead) = (&a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2]);
+    if !b_lead.is_empty() && a_lead != b_lead {
+        bail!(
+            "{OP}: batch dims differ, a is {:?} and b is {:?} (b may also be 2-D, shared)",
+            a.dims(),
+            b.dims()
+        );
+    }
+    if n == 0 {
+        bail!("{OP}: b has no columns (n = 0): there is no argmin");
+    }
+    if n > u32::MAX as usize {
+        bail!("{OP}: {n} columns do not fit u32 indices");
+    }
+    if a.dtype() != b.dtype() {
+        bail!(
+            "{OP}: dtype mismatch, a is {:?} but b is {:?}",
+            a.dtype(),
+            b.dtype()
+        );
+    }
+    if !matches!(
+        a.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        bail!(
+            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            a.dtype()
+        );
+    }
+    if !a.device().same_device(b.device()) {
+        bail!(
+            "{OP}: device mismatch, a is on {:?} but b is on {:?}",
+            a.device().location(),
+            b.device().location()
+        );
+    }
+    if a.device().is_cuda() && a.dtype() == DType::F64 {
+        bail!("{OP}: f64 is supported on the CPU only");
+    }
+    if let Some(bias) = col_bias {
+        if bias.dims() != [n] {
+            bail!(
+                "{OP}: col_bias must be [{n}] (one per column of b), got {:?}",
+                bias.dims()
+            );
+        }
+        if !bias.dtype().is_float() {
+            bail!(
+                "{OP}: col_bias must be a float tensor, got {:?}",
+                bias.dtype()
+            );
+        }
+        if !a.device().same_device(bias.device()) {
+            bail!("{OP}: col_bias is on a different device than a");
+        }
+    }
+    Ok(())
+}
+
+/// Rows and columns one CPU task multiplies at a time: the block (64 x 512 f32 = 128 KiB) stays
+/// in L2 while it is scanned.
+const CPU_ROWS: usize = 64;
+const CPU_COLS: usize = 512;
+
+struct ArgminMatmul {
+    scale: f32,
+}
+
+/// `a . b` views and the output shape of one call.
+fn views(a: &Layout, b: &Layout) -> Result<(MatView, MatView, Shape)> {
+    let (Some(av), Some(bv)) = (MatView::from_layout(a), MatView::from_layout(b)) else {
+        bail!("{OP}: internal error, operands reached the kernel uncollapsed");
+    };
+    let out = Shape::from(&a.dims()[..a.dims().len() - 1]);
+    Ok((av, bv, out))
+}
+
+/// The order the kernels use: numeric, with NaN above every number (so `-0.0 == 0.0`).
+fn less<A: CpuGemm>(x: A, y: A) -> bool {
+    x < y || (y.is_nan() && !x.is_nan())
+}
+
+fn cpu_argmin<A: CpuGemm + candle_core::WithDType>(
+    a: &[A],
+    b: &[A],
+    bias: &[f32],
+    av: &MatView,
+    bv: &MatView,
+    scale: f32,
+) -> Result<Vec<u32>> {
+    av.check_within(a.len(), OP)?;
+    bv.check_within(b.len(), OP)?;
+    let (batch, m, n) = (av.batch, av.rows, bv.cols);
+    let scale = A::from_f64(scale as f64);
+    let bias: Vec<A> = bias.iter().map(|&x| A::from_f64(x as f64)).collect();
+    let mut out = vec![0u32; batch * m];
+    if m == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(CPU_ROWS)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            // A chunk of output rows may straddle batch entries: it is walked in runs that
+            // do not. NaN is the "nothing yet" score: any number beats it, and a row of NaN
+            // scores keeps index 0.
+            let first = chunk * CPU_ROWS;
+            let mut block = vec![A::zero(); CPU_ROWS * CPU_COLS];
+            let mut best: Vec<(A, u32)> = vec![(A::nan(), 0); out.len()];
+            let mut done = 0;
+            while done < out.len() {
+                let (bi, row0) = ((first + done) / m, (first + done) % m);
+                let rows = (m - row0).min(out.len() - done);
+                for col0 in (0..n).step_by(CPU_COLS) {
+                    let cols = (n - col0).min(CPU_COLS);
+                    // SAFETY: views checked above; `block` holds rows x cols at stride cols.
+                    unsafe {
+                        cpu_block_product(
+                            (a, av),
+                            (b, bv),
+                            bi,
+                            row0..row0 + rows,
+                            col0..col0 + cols,
+                            block.as_mut_ptr(),
+                            cols,
+                        )
+                    };
+                    for r in 0..rows {
+                        let best = &mut best[done + r];
+                        for (c, &p) in block[r * cols..(r + 1) * cols].iter().enumerate() {
+                            let v = scale * p + bias[col0 + c];
+                            // Strictly less: a tie keeps the lower column seen first.
+                            if less(v, best.0) {
+                                *best = (v, (col0 + c) as u32);
+                            }
+                        }
+                    }
+                }
+                done += rows;
+            }
+            for (o, (_, j)) in out.iter_mut().zip(best) {
+                *o = j;
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp3 for ArgminMatmul {
+    fn name(&self) -> &'static str {
+        "fastops-argmin-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        a_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (av, bv, shape) = views(a_layout, b_layout)?;
+        let Some((start, end)) = bias_layout.contiguous_offsets() else {
+            bail!("{OP}: internal error, bias is not contiguous");
+        };
+        let bias = &bias.as_slice::<f32>()?[start..end];
+        let out = match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                cpu_argmin(a, b, bias, &av, &bv, self.scale)?
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                cpu_argmin(a, b, bias, &av, &bv, self.scale)?
+            }
+            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
+        };
+        Ok((CpuStorage::U32(out), shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        a_layout: &Layout,
+        b: &candle_core::CudaStorage,
+        b_layout: &Layout,
+        bias: &candle_core::CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let (av, bv, shape) = views(a_layout, b_layout)?;
+        let dev = &a.device;
+        let bias = bias
+            .as_cuda_slice::<f32>()?
+            .slice(bias_layout.start_offset()..);
+        let out = match (&a.slice, &b.slice) {
+            (S::F32(a), S::F32(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
+            (S::F16(a), S::F16(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
+            (S::BF16(a), S::BF16(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
+            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
+        };
+        Ok((out, shape))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
+    use crate::matmul_core::{cuda::ProblemArgs, MatView, TILE};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::kernel_name;
+    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
+
+    /// `ArgminArgs` in `src/cuda/matmul.cu`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    struct ArgminArgs {
+        col_groups: i64,
+        scale: f32,
+    }
+    // SAFETY: plain-old-data laid out as its C mirror.
+    unsafe impl DeviceRepr for ArgminArgs {}
+
+    /// Resident blocks per SM of the product kernels (`__launch_bounds__(256, 2)`).
+    const BLOCKS_PER_SM: usize = 2;
+
+    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+        dev: &CudaDevice,
+        a: &CudaSlice<T>,
+        b: &CudaSlice<T>,
+        bias: &CudaView<'_, f32>,
+        av: &MatView,
+        bv: &MatView,
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        let (batch, m, n) = (av.batch, av.rows, bv.cols);
+        let rows = batch * m;
+        let out = alloc_output::<u32>(dev, rows)?;
+        if rows == 0 {
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
+        // All ones: the largest key, above any real score.
+        // SAFETY: filled below before any read.
+        let mut keys = unsafe { dev.alloc::<u64>(rows)? };
+        fill_bytes(dev, &mut keys, 0xFF)?;
+        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
+        // Enough blocks for four waves: split the column tiles of each row tile between blocks
+        // when there are few row tiles.
+        let wanted = 4 * BLOCKS_PER_SM * sm_count(dev)? as usize;
+        let col_groups = wanted.div_ceil(batch * row_tiles).clamp(1, col_tiles);
+        let blocks = batch * row_tiles * col_groups;
+        if blocks > i32::MAX as usize {
+            candle_core::bail!("argmin_matmul: too many row tiles ({blocks})");
+        }
+        let problem = ProblemArgs::new(av, bv);
+        let argmin_args = ArgminArgs {
+            col_groups: col_groups as i64,
+            scale,
+        };
+        let a = a.slice(av.start..);
+        let b = b.slice(bv.start..);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let product = Kernel::load(dev, Module::Matmul, &kernel_name::<T>("argmin_matmul"))?;
+        // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
+        // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
+        unsafe {
+            product.launch(cfg, |args| {
+                args.arg(&a)
+                    .arg(&b)
+                    .arg(bias)
+                    .arg(&keys)
+                    .arg(&problem)
+                    .arg(&argmin_args);
+            })?;
+        }
+        let rows64 = rows as u64;
+        let cfg = grid_stride_config(dev, rows64, 256, 4, 0)?;
+        let finish = Kernel::load(dev, Module::Matmul, "argmin_keys_to_index")?;
+        // SAFETY: `argmin_keys_to_index(keys, out, rows)` with both buffers `rows` long.
+        unsafe {
+            finish.launch(cfg, |args| {
+                args.arg(&keys).arg(&out).arg(&rows64);
+            })?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}

@@ -1,0 +1,356 @@
+// One tiled matrix-product core, two epilogues:
+//
+//   masked_bmm:     out[b, i, j] = keep(b, i, j) ? (a[b] . b[b])[i, j] : fill
+//   argmin_matmul:  out[b, i]    = argmin_j  scale * (a[b] . b[b])[i, j] + bias[j]
+//
+// The core: a block of 256 threads owns a 128 x 128 output tile and walks k in steps of 8. Each
+// step's A (128 x 8) and B (8 x 128) slices are staged in shared memory, transposed so both are
+// k-major, with the next step's slices loaded into registers while the current one is used
+// (double buffer, one barrier per step). Each thread accumulates an 8 x 8 sub-tile in registers
+// as two 4-row and two 4-column halves 64 apart, so its shared-memory reads are float4s that do
+// not conflict. Arithmetic is f32 FMA for every input dtype (f16 / bf16 are widened on load).
+//
+// Operands come with arbitrary element strides (batch, outer, k), so transposed or sliced views
+// are read in place: the loader picks, per operand, the thread mapping that makes its global
+// loads coalesced (k contiguous, outer contiguous, or neither) and uses 4-wide vector loads when
+// the host says the view is aligned for them.
+//
+// masked_bmm reads a plan of 128 x 128 tile states (empty / partial / full, built once per mask):
+// an empty tile writes `fill` and does no loads or math, a full tile never reads the mask.
+// argmin_matmul keeps each row's running minimum and its index together as one 64-bit key
+// (order-preserving float bits above the column index), so one 64-bit atomicMin per row per block
+// merges blocks: value and index cannot tear, and ties go to the lowest column whatever the
+// block order. Nothing of size m x n is materialised.
+#include "common.cuh"
+
+using namespace fastops;
+
+namespace {
+
+constexpr int TILE = 128;  // output tile edge; mirrors `TILE` in src/matmul_core.rs
+constexpr int BK = 8;
+constexpr int THREADS = 256;
+constexpr int PAD = 4;     // keeps float4 alignment and spreads the transposed stores over banks
+
+enum LoadMode : int { K_CONTIGUOUS = 0, OUTER_CONTIGUOUS = 1, STRIDED = 2 };
+
+// One operand as the kernels see it: element strides of a [batch, outer, k] view (outer = m for
+// A, n for B). Mirrors `OperandArgs` in src/matmul_core.rs (repr(C)).
+struct Operand {
+    int64_t batch_stride;
+    int64_t outer_stride;
+    int64_t k_stride;
+    int32_t mode;        // LoadMode
+    int32_t vectorised;  // 4-wide loads along the contiguous dim are aligned
+};
+
+// Mirrors `ProblemArgs` in src/matmul_core.rs.
+struct Problem {
+    Operand a, b;
+    int64_t batch, m, n, k;
+};
+
+template <typename T> struct Load4;
+template <> struct Load4<float> {
+    __device__ __forceinline__ static void run(const float* p, float (&r)[4]) {
+        float4 v = *reinterpret_cast<const float4*>(p);
+        r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+    }
+};
+template <typename H> struct Load4Half {
+    __device__ __forceinline__ static void run(const H* p, float (&r)[4]) {
+        uint2 v = *reinterpret_cast<const uint2*>(p);
+        float2 lo = to_float2<H>(reinterpret_cast<const H*>(&v.x));
+        float2 hi = to_float2<H>(reinterpret_cast<const H*>(&v.y));
+        r[0] = lo.x; r[1] = lo.y; r[2] = hi.x; r[3] = hi.y;
+    }
+};
+template <> struct Load4<__half> : Load4Half<__half> {};
+template <> struct Load4<__nv_bfloat16> : Load4Half<__nv_bfloat16> {};
+
+// This thread's four elements of a TILE (outer) x BK (k) slice of one operand, staged through
+// registers into shared memory stored k-major: smem[kk][outer]. Construction places the thread
+// on its run of four; each `load` reads the next slice along k.
+template <typename T> struct TileLoader {
+    const T* ptr;       // the run's first element in the current slice
+    int64_t advance;    // elements from one slice to the next (BK along k)
+    int64_t elem_step;  // elements between the run's four
+    int64_t k_left;     // k extent left from the run's first k
+    int outer_valid;    // run along outer: its elements inside the operand (0..4); else 0 or 1
+    int smem_at;        // offset of the run's first element in the k-major slice
+    bool along_outer;   // the run goes along outer (else along k)
+    bool vectorised;
+    float r[4];
+
+    __device__ __forceinline__ TileLoader(const T* base, const Operand& op, int64_t outer_len, int64_t k_len) {
+        const int t = threadIdx.x;
+        int outer, kk;
+        if (op.mode == K_CONTIGUOUS) {
+            outer = t >> 1; kk = (t & 1) * 4; along_outer = false;
+        } else if (op.mode == OUTER_CONTIGUOUS) {
+            kk = t >> 5; outer = (t & 31) * 4; along_outer = true;
+        } else {
+            outer = t & (TILE - 1); kk = (t >> 7) * 4; along_outer = false;
+        }
+        const int64_t outer_room = outer_len - outer;
+        outer_valid = along_outer ? static_cast<int>(max(int64_t(0), min(outer_room, int64_t(4))))
+                                  : (outer_room > 0 ? 1 : 0);
+        k_left = k_len - kk;
+        ptr = base + (outer_room > 0 ? outer * op.outer_stride + kk * op.k_stride : 0);
+        advance = BK * op.k_stride;
+        elem_step = along_outer ? op.outer_stride : op.k_stride;
+        smem_at = kk * (TILE + PAD) + outer;
+        vectorised = op.vectorised != 0;
+    }
+
+    __device__ __forceinline__ void load() {
+        int valid;
+        if (along_outer) valid = k_left > 0 ? outer_valid : 0;
+        else valid = outer_valid ? static_cast<int>(max(int64_t(0), min(k_left, int64_t(4)))) : 0;
+        if (vectorised && valid == 4) {
+            Load4<T>::run(ptr, r);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) r[i] = i < valid ? to_float(ptr[i * elem_step]) : 0.f;
+        }
+        ptr += advance;
+        k_left -= BK;
+    }
+
+    __device__ __forceinline__ void store(float (*smem)[TILE + PAD]) const {
+        float* at = &smem[0][0] + smem_at;
+        if (along_outer) {
+            *reinterpret_cast<float4*>(at) = make_float4(r[0], r[1], r[2], r[3]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) at[i * (TILE + PAD)] = r[i];
+        }
+    }
+};
+
+// Row (or column) offset within the tile of this thread's i-th accumulator row (column).
+__device__ __forceinline__ int sub_offset(int lane16, int i) { return (i < 4 ? 0 : 64 - 4) + lane16 * 4 + i; }
+
+// The 8 x 8 accumulators of this thread for the tile at (row0, col0) of batch `batch`.
+template <typename T>
+__device__ __forceinline__ void tile_product(const Problem& p, const T* a, const T* b, int64_t batch,
+                                             int64_t row0, int64_t col0, float (&acc)[8][8],
+                                             float (*As)[BK][TILE + PAD], float (*Bs)[BK][TILE + PAD]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    TileLoader<T> la(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
+    TileLoader<T> lb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
+    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+    const int64_t steps = (p.k + BK - 1) / BK;
+    if (steps == 0) return;
+    la.load();
+    lb.load();
+    la.store(As[0]);
+    lb.store(Bs[0]);
+    __syncthreads();
+    for (int64_t s = 0; s < steps; ++s) {
+        const int cur = s & 1;
+        const bool more = s + 1 < steps;
+        if (more) {
+            la.load();
+            lb.load();
+        }
+#pragma unroll
+        for (int kk = 0; kk < BK; ++kk) {
+            const float4 a0 = *reinterpret_cast<const float4*>(&As[cur][kk][ty * 4]);
+            const float4 a1 = *reinterpret_cast<const float4*>(&As[cur][kk][64 + ty * 4]);
+            const float4 b0 = *reinterpret_cast<const float4*>(&Bs[cur][kk][tx * 4]);
+            const float4 b1 = *reinterpret_cast<const float4*>(&Bs[cur][kk][64 + tx * 4]);
+            const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        if (more) {
+            la.store(As[cur ^ 1]);
+            lb.store(Bs[cur ^ 1]);
+        }
+        __syncthreads();
+    }
+}
+
+// Decodes block `blk` of a grid laid out as [batch][row tile][column group].
+struct TileIndex {
+    int64_t batch, row_tile, col_group;
+    __device__ __forceinline__ TileIndex(uint64_t blk, int64_t row_tiles, int64_t col_groups) {
+        col_group = blk % col_groups;
+        const uint64_t rest = blk / col_groups;
+        row_tile = rest % row_tiles;
+        batch = rest / row_tiles;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// masked_bmm
+
+enum TileState : uint8_t { EMPTY = 0, PARTIAL = 1, FULL = 2 };  // mirrors src/masked_bmm.rs
+
+// Mirrors `MaskArgs` in src/masked_bmm.rs.
+struct MaskArgs {
+    int64_t mask_batch_stride;  // elements between batches of the mask (0: one mask for all)
+    int64_t plan_batch_stride;  // tiles between batches of the plan (0: one plan for all)
+    float fill;
+};
+
+template <typename T>
+__device__ __forceinline__ void store_row4(T* out, int64_t col, int64_t n, const float (&v)[4], bool vec_ok) {
+    if (vec_ok && col + 4 <= n) {
+        if constexpr (sizeof(T) == 4) {
+            *reinterpret_cast<float4*>(out + col) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+            from_float2<T>(out + col, v[0], v[1]);
+            from_float2<T>(out + col + 2, v[2], v[3]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (col + j < n) out[col + j] = from_float<T>(v[j]);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
+                                           const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
+                                           T* __restrict__ out, Problem p, MaskArgs mk) {
+    __shared__ __align__(16) float As[2][BK][TILE + PAD];
+    __shared__ __align__(16) float Bs[2][BK][TILE + PAD];
+    const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
+    const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
+    const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
+    const uint8_t state = plan[tile.batch * mk.plan_batch_stride + tile.row_tile * col_tiles + tile.col_group];
+    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+    T* out_b = out + tile.batch * p.m * p.n;
+    // Vector stores need every row start aligned: n a multiple of 4 (f32 float4, halves 2 x 4 bytes).
+    const bool vec_ok = (p.n & 3) == 0;
+
+    float acc[8][8];
+    if (state != EMPTY) {
+        tile_product(p, a, b, tile.batch, row0, col0, acc, As, Bs);
+    }
+    const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t row = row0 + sub_offset(ty, i);
+        if (row >= p.m) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int64_t col = col0 + half * 64 + tx * 4;
+            float v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (state == EMPTY) {
+                    v[j] = mk.fill;
+                } else if (state == FULL) {
+                    v[j] = acc[i][half * 4 + j];
+                } else {
+                    const bool keep = col + j < p.n && mask_b[row * p.n + col + j] != 0;
+                    v[j] = keep ? acc[i][half * 4 + j] : mk.fill;
+                }
+            }
+            store_row4(out_b + row * p.n, col, p.n, v, vec_ok);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// argmin_matmul
+
+// Float bits mapped so unsigned order is numeric order; -0 is folded into +0 and every NaN into
+// one positive NaN, which sorts above +inf (a row of NaN scores still gets an index).
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+    v = v + 0.0f;
+    uint32_t bits = isnan(v) ? 0x7fc00000u : __float_as_uint(v);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned long long min_key(unsigned long long x, unsigned long long y) {
+    return x < y ? x : y;
+}
+
+// Mirrors `ArgminArgs` in src/argmin_matmul.rs.
+struct ArgminArgs {
+    int64_t col_groups;  // blocks sharing a row tile, each taking every col_groups-th column tile
+    float scale;
+};
+
+template <typename T>
+__device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,
+                                              const float* __restrict__ bias, unsigned long long* __restrict__ keys,
+                                              Problem p, ArgminArgs am) {
+    __shared__ __align__(16) float As[2][BK][TILE + PAD];
+    __shared__ __align__(16) float Bs[2][BK][TILE + PAD];
+    const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
+    const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
+    const int64_t row0 = tile.row_tile * TILE;
+    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+
+    unsigned long long best[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) best[i] = ~0ull;
+    float acc[8][8];
+    for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
+        const int64_t col0 = ct * TILE;
+        tile_product(p, a, b, tile.batch, row0, col0, acc, As, Bs);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int64_t col = col0 + sub_offset(tx, j);
+            if (col >= p.n) continue;
+            const float cb = bias[col];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned long long key =
+                    (static_cast<unsigned long long>(ordered_bits(fmaf(am.scale, acc[i][j], cb))) << 32) |
+                    static_cast<unsigned long long>(col);
+                best[i] = min_key(best[i], key);
+            }
+        }
+    }
+    // The 16 threads of a row group are the 16 lanes of one half-warp.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) best[i] = min_key(best[i], __shfl_xor_sync(0xffffffffu, best[i], off));
+    }
+    if (tx == 0) {
+        unsigned long long* keys_b = keys + tile.batch * p.m;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int64_t row = row0 + sub_offset(ty, i);
+            if (row < p.m && best[i] != ~0ull) atomicMin(keys_b + row, best[i]);
+        }
+    }
+}
+
+}  // namespace
+
+// Column index (the low half of each key) of every row.
+extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __restrict__ keys,
+                                                uint32_t* __restrict__ out, uint64_t rows) {
+    for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < rows;
+         i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+        out[i] = static_cast<uint32_t>(keys[i] & 0xffffffffull);
+    }
+}
+
+#define MATMUL_KERNELS(T, SUFFIX)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+        masked_bmm_##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan, T* out,      \
+                            Problem p, MaskArgs mk) {                                                      \
+        masked_bmm<T>(a, b, mask, plan, out, p, mk);                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+        argmin_matmul_##SUFFIX(const T* a, const T* b, const float* bias, unsigned long long* keys,        \
+                               Problem p, ArgminArgs am) {                                                 \
+        argmin_matmul<T>(a, b, bias, keys, p, am);                                                         \
+    }
+
+FASTOPS_FLOAT_KERNELS(MATMUL_KERNELS)

@@ -1,0 +1,526 @@
+//! Masked batched matmul: `(a . b)` where a u8 mask keeps it, `fill` elsewhere, with the work of
+//! fully masked tiles skipped (a causal mask skips almost half of the product).
+//!
+//! The mask is summarised once into a [`MaskPlan`] (one state per 128 x 128 output tile: empty,
+//! partial or full) that can be reused while the mask is unchanged. Empty tiles are written with
+//! `fill` and do no loads or math, full tiles never read the mask, partial tiles read it. The
+//! product itself is the core in `src/matmul_core.rs` / `src/cuda/matmul.cu`.
+
+use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+const OP: &str = "masked_bmm";
+
+/// Tile states of a [`MaskPlan`], as stored in its tensor and read by the kernels.
+const EMPTY: u8 = 0;
+const PARTIAL: u8 = 1;
+const FULL: u8 = 2;
+// The plan is computed as `any(keep) + all(keep)` per tile, which gives exactly these values.
+const _: () = assert!(EMPTY == 0 && PARTIAL == 1 && FULL == 2);
+
+/// A summary of a mask per 128 x 128 output tile (empty / partial / full), built once and reused
+/// by [`masked_bmm_with_plan`] while the mask's contents are unchanged.
+///
+/// Building it costs a few reductions over the mask (candle ops on the mask's device); with a
+/// shared `[m, n]` mask that is small next to one product. The plan records the mask's shape,
+/// not its contents: after changing the mask, build a new plan (a stale plan makes tiles it
+/// calls full ignore the mask and tiles it calls empty return `fill`).
+///
+/// ```
+/// use candle_core::{Device, Tensor, DType};
+/// let dev = Device::Cpu;
+/// let causal = Tensor::tril2(300, DType::U8, &dev)?;
+/// let plan = candle_fastops::MaskPlan::new(&causal)?;
+/// // 3 x 3 tiles of 128: 3 on the diagonal are partial, 3 above it empty, 3 below full.
+/// assert_eq!(plan.tile_counts()?, [3, 3, 3]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MaskPlan {
+    /// u8 `[plan_batch, row_tiles, col_tiles]` on the mask's device.
+    states: Tensor,
+    mask_dims: Vec<usize>,
+}
+
+impl MaskPlan {
+    /// Summarises `mask` (u8, `[batch, m, n]` or `[m, n]`, nonzero = keep).
+    pub fn new(mask: &Tensor) -> Result<Self> {
+        check_mask_dtype(mask)?;
+        if !(2..=3).contains(&mask.rank()) {
+            bail!(
+                "{OP}: mask must be [batch, m, n] or [m, n], got shape {:?}",
+                mask.dims()
+            );
+        }
+        let mask3 = as_rank3(mask)?;
+        let (mb, m, n) = mask3.dims3()?;
+        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
+        let states = if mb == 0 || row_tiles == 0 || col_tiles == 0 {
+            Tensor::zeros((mb, row_tiles, col_tiles), DType::U8, mask.device())?
+        } else {
+            // Padding by repeating the last row / column leaves each tile's min and max as they
+            // are over its real elements.
+            let keep = mask3.ne(&mask3.zeros_like()?)?;
+            let keep = keep
+                .pad_with_same(1, 0, row_tiles * TILE - m)?
+                .pad_with_same(2, 0, col_tiles * TILE - n)?
+                .reshape((mb, row_tiles, TILE, col_tiles, TILE))?;
+            let any = keep.max(4)?.max(2)?;
+            let all = keep.min(4)?.min(2)?;
+            // any + all: 0 = empty, 1 = partial, 2 = full.
+            (any + all)?.contiguous()?
+        };
+        Ok(Self {
+            states,
+            mask_dims: mask.dims().to_vec(),
+        })
+    }
+
+    /// Number of `[empty, partial, full]` tiles (reads the plan back to the host).
+    pub fn tile_counts(&self) -> Result<[usize; 3]> {
+        let mut counts = [0; 3];
+        for s in self.states.flatten_all()?.to_vec1::<u8>()? {
+            counts[(s as usize).min(2)] += 1;
+        }
+        Ok(counts)
+    }
+
+    /// The shape of the mask the plan was built from.
+    pub fn mask_dims(&self) -> &[usize] {
+        &self.mask_dims
+    }
+}
+
+/// `(a . b)` masked by `mask`: `out[b, i, j] = (a[b] . b[b])[i, j]` where `mask[(b,) i, j] != 0`,
+/// `fill` elsewhere (`f64::NEG_INFINITY` for attention scores, `0.0` for a masked product).
+///
+/// * `a` `[batch, m, k]`, `b` `[batch, k, n]`, `mask` u8 `[batch, m, n]` or `[m, n]` (shared by
+///   the batch); the result is `[batch, m, n]` in the dtype of `a` and `b`.
+/// * Any layout: transposed or sliced `a` and `b` are read in place (on CUDA with vector loads
+///   when aligned); a mask whose rows are not contiguous is copied.
+/// * Precision: true f32 arithmetic for f32 (no TF32), f16 and bf16 products accumulate in f32
+///   (on CUDA cores, widened on load), f64 in f64 on the CPU. f64 is CPU-only.
+/// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)`, composed from candle
+///   ops (they do not skip empty tiles).
+///
+/// Builds a [`MaskPlan`] on every call; reuse one with [`masked_bmm_with_plan`].
+///
+/// ```
+/// use candle_core::{Device, Tensor, DType};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
+/// let causal = Tensor::tril2(5, DType::U8, &dev)?;
+/// let scores = candle_fastops::masked_bmm(&q, &k.transpose(1, 2)?, &causal, f64::NEG_INFINITY)?;
+/// assert_eq!(scores.dims(), [2, 5, 5]);
+/// let row0 = scores.get(0)?.get(0)?.to_vec1::<f32>()?;
+/// assert!(row0[0].is_finite() && row0[1..].iter().all(|v| *v == f32::NEG_INFINITY));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_bmm(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64) -> Result<Tensor> {
+    check_args(a, b, mask)?;
+    let plan = MaskPlan::new(mask)?;
+    masked_bmm_with_plan(a, b, mask, &plan, fill)
+}
+
+/// [`masked_bmm`] with a [`MaskPlan`] built earlier from the same mask.
+pub fn masked_bmm_with_plan(
+    a: &Tensor,
+    b: &Tensor,
+    mask: &Tensor,
+    plan: &MaskPlan,
+    fill: f64,
+) -> Result<Tensor> {
+    check_args(a, b, mask)?;
+    if plan.mask_dims != mask.dims() {
+        bail!(
+            "{OP}: the plan was built for a mask of shape {:?}, the mask is {:?}",
+            plan.mask_dims,
+            mask.dims()
+        );
+    }
+    if !plan.states.device().same_device(mask.device()) {
+        bail!("{OP}: the plan is on a different device than the mask");
+    }
+    let mask3 = as_rank3(mask)?;
+    let (_, m, n) = mask3.dims3()?;
+    let rows_contiguous = n <= 1 || mask3.stride()[2] == 1 && (m <= 1 || mask3.stride()[1] == n);
+    let mask3 = if rows_contiguous {
+        mask3
+    } else {
+        mask3.contiguous()?
+    };
+    let op = MaskedBmm {
+        fill,
+        states: plan.states.clone(),
+    };
+    if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
+        // The CPU product runs in f32 for half types: widen once, narrow the result once.
+        let out = a
+            .to_dtype(DType::F32)?
+            .apply_op3(&b.to_dtype(DType::F32)?, &mask3, op)?;
+        return out.to_dtype(a.dtype());
+    }
+    a.apply_op3(b, &mask3, op)
+}
+
+fn check_mask_dtype(mask: &Tensor) -> Result<()> {
+    if mask.dtype() != DType::U8 {
+        bail!(
+            "{OP}: mask must be u8 (nonzero = keep), got {:?}; convert a bool-like mask with `.ne(0)?`",
+            mask.dtype()
+        );
+    }
+    Ok(())
+}
+
+fn as_rank3(mask: &Tensor) -> Result<Tensor> {
+    if mask.rank() == 2 {
+        mask.unsqueeze(0)
+    } else {
+        Ok(mask.clone())
+    }
+}
+
+fn check_args(a: &Tensor, b: &Tensor, mask: &Tensor) -> Result<()> {
+    if a.rank() != 3 || b.rank() != 3 {
+        bail!(
+            "{OP}: a must be [batch, m, k] and b [batch, k, n], got shapes {:?} and {:?}",
+            a.dims(),
+            b.dims()
+        );
+    }
+    let (batch, m, k) = a.dims3()?;
+    let (b_batch, b_k, n) = b.dims3()?;
+    if b_batch != batch || b_k != k {
+        bail!(
+            "{OP}: shape mismatch, a is {:?} but b is {:?} (expected [{batch}, {k}, n])",
+            a.dims(),
+            b.dims()
+        );
+    }
+    check_mask_dtype(mask)?;
+    let mask_ok = match mask.dims() {
+        [mm, mn] => (*mm, *mn) == (m, n),
+        [mbatch, mm, mn] => (*mbatch, *mm, *mn) == (batch, m, n),
+        _ => false,
+    };
+    if !mask_ok {
+        bail!(
+            "{OP}: mask must be [{batch}, {m}, {n}] or [{m}, {n}], got {:?}",
+            mask.dims()
+        );
+    }
+    if a.dtype() != b.dtype() {
+        bail!(
+            "{OP}: dtype mismatch, a is {:?} but b is {:?}",
+            a.dtype(),
+            b.dtype()
+        );
+    }
+    if !matches!(
+        a.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        bail!(
+            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            a.dtype()
+        );
+    }
+    for (name, t) in [("b", b), ("mask", mask)] {
+        if !a.device().same_device(t.device()) {
+            bail!(
+                "{OP}: device mismatch, a is on {:?} but {name} is on {:?}",
+                a.device().location(),
+                t.device().location()
+            );
+        }
+    }
+    if a.device().is_cuda() && a.dtype() == DType::F64 {
+        bail!("{OP}: f64 is supported on the CPU only");
+    }
+    Ok(())
+}
+
+/// The shapes of one call, from the three layouts.
+struct Dims {
+    a: MatView,
+    b: MatView,
+    /// Elements between batch entries of the mask (0 for a shared mask).
+    mask_batch_stride: usize,
+    mask_start: usize,
+}
+
+impl Dims {
+    fn new(a: &Layout, b: &Layout, mask: &Layout) -> Result<Self> {
+        let (Some(a), Some(b)) = (MatView::from_layout(a), MatView::from_layout(b)) else {
+            bail!("{OP}: internal error, operands are not rank 3");
+        };
+        let mask_batch_stride = if mask.dims()[0] == 1 {
+            0
+        } else {
+            mask.stride()[0]
+        };
+        Ok(Self {
+            a,
+            b,
+            mask_batch_stride,
+            mask_start: mask.start_offset(),
+        })
+    }
+
+    fn out_shape(&self) -> Shape {
+        Shape::from((self.a.batch, self.a.rows, self.b.cols))
+    }
+}
+
+struct MaskedBmm {
+    fill: f64,
+    states: Tensor,
+}
+
+impl MaskedBmm {
+    fn cpu_product<A: CpuGemm + candle_core::WithDType>(
+        &self,
+        a: &[A],
+        b: &[A],
+        mask: &[u8],
+        dims: &Dims,
+    ) -> Result<Vec<A>> {
+        let lock = self.states.storage_and_layout();
+        let states: &[u8] = crate::cpu::locked_slice(&lock, OP)?;
+        let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
+        dims.a.check_within(a.len(), OP)?;
+        dims.b.check_within(b.len(), OP)?;
+        let fill = A::from_f64(self.fill);
+        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
+        let plan_batch_stride = if states.len() == row_tiles * col_tiles {
+            0
+        } else {
+            row_tiles * col_tiles
+        };
+        let len = batch * m * n;
+        let mut out = crate::cpu::output_vec::<A>(len);
+        if len > 0 {
+            let spare = crate::cpu::spare(&mut out, len);
+            // One task per (batch entry, row tile): TILE consecutive rows of the output.
+            spare
+                .par_chunks_mut(m * n)
+                .enumerate()
+                .for_each(|(bi, out_b)| {
+                    out_b
+                        .par_chunks_mut(TILE * n)
+                        .enumerate()
+                        .for_each(|(ti, out_rows)| {
+                            let row0 = ti * TILE;
+                            let rows = row0..(row0 + TILE).min(m);
+                            let tile_states =
+                                &states[bi * plan_batch_stride + ti * col_tiles..][..col_tiles];
+                            let mask_rows = &mask
+                                [dims.mask_start + bi * dims.mask_batch_stride + row0 * n..]
+                                [..rows.len() * n];
+                            let dst = out_rows.as_mut_ptr().cast::<A>();
+                            let mut tj = 0;
+                            while tj < col_tiles {
+                                let cols = |t: usize| t * TILE..((t + 1) * TILE).min(n);
+                                if tile_states[tj] == EMPTY {
+                                    for r in 0..rows.len() {
+                                        for c in cols(tj) {
+                                            out_rows[r * n + c].write(fill);
+                                        }
+                                    }
+                                    tj += 1;
+                                    continue;
+                                }
+                                // One product for the whole run of non-empty tiles.
+                                let run_end = (tj..col_tiles)
+                                    .find(|&t| tile_states[t] == EMPTY)
+                                    .unwrap_or(col_tiles);
+                                let span = cols(tj).start..cols(run_end - 1).end;
+                                // SAFETY: the views were checked against their buffers; the
+                                // block written is rows `rows` x columns `span` of this task's
+                                // own chunk of the output.
+                                unsafe {
+                                    cpu_block_product(
+                                        (a, &dims.a),
+                                        (b, &dims.b),
+                                        bi,
+                                        rows.clone(),
+                                        span.clone(),
+                                        dst.add(span.start),
+                                        n,
+                                    )
+                                };
+                                for t in tj..run_end {
+                                    if tile_states[t] != PARTIAL {
+                                        continue;
+                                    }
+                                    for r in 0..rows.len() {
+                                        for c in cols(t) {
+                                            if mask_rows[r * n + c] == 0 {
+                                                out_rows[r * n + c].write(fill);
+                                            }
+                                        }
+                                    }
+                                }
+                                tj = run_end;
+                            }
+                        })
+                });
+            // SAFETY: every element lies in an empty tile (filled) or in a run (written by the
+            // block product).
+            unsafe { out.set_len(len) };
+        }
+        Ok(out)
+    }
+}
+
+impl CustomOp3 for MaskedBmm {
+    fn name(&self) -> &'static str {
+        "fastops-masked-bmm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        a_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+        mask: &CpuStorage,
+        mask_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = Dims::new(a_layout, b_layout, mask_layout)?;
+        let mask = mask.as_slice::<u8>()?;
+        let out = match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(self.cpu_product(a, b, mask, &dims)?)
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                CpuStorage::F64(self.cpu_product(a, b, mask, &dims)?)
+            }
+            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
+        };
+        Ok((out, dims.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        a_layout: &Layout,
+        b: &candle_core::CudaStorage,
+        b_layout: &Layout,
+        mask: &candle_core::CudaStorage,
+        mask_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let dims = Dims::new(a_layout, b_layout, mask_layout)?;
+        let dev = &a.device;
+        let lock = self.states.storage_and_layout();
+        let candle_core::Storage::Cuda(states) = &*lock.0 else {
+            bail!("{OP}: the plan is not on the GPU");
+        };
+        let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
+        let mask = mask.as_cuda_slice::<u8>()?.slice(dims.mask_start..);
+        let out = match (&a.slice, &b.slice) {
+            (S::F32(a), S::F32(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
+            (S::F16(a), S::F16(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
+            (S::BF16(a), S::BF16(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
+            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
+        };
+        Ok((out, dims.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        mask: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let keep = mask.ne(&mask.zeros_like()?)?.broadcast_as(grad.shape())?;
+        let grad = keep.where_cond(grad, &grad.zeros_like()?)?;
+        let grad_a = grad.matmul(&b.transpose(1, 2)?.contiguous()?)?;
+        let grad_b = a.transpose(1, 2)?.contiguous()?.matmul(&grad)?;
+        Ok((Some(grad_a), Some(grad_b), None))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{Dims, TILE};
+    use crate::cuda::{alloc_output, Kernel, Module};
+    use crate::matmul_core::cuda::ProblemArgs;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::kernel_name;
+    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
+
+    /// `MaskArgs` in `src/cuda/matmul.cu`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    struct MaskArgs {
+        mask_batch_stride: i64,
+        plan_batch_stride: i64,
+        fill: f32,
+    }
+    // SAFETY: plain-old-data laid out as its C mirror.
+    unsafe impl DeviceRepr for MaskArgs {}
+
+    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+        dev: &CudaDevice,
+        a: &CudaSlice<T>,
+        b: &CudaSlice<T>,
+        mask: &CudaView<'_, u8>,
+        states: &CudaView<'_, u8>,
+        dims: &Dims,
+        fill: f64,
+    ) -> Result<CudaStorage> {
+        let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
+        let out = alloc_output::<T>(dev, batch * m * n)?;
+        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
+        let blocks = batch * row_tiles * col_tiles;
+        if blocks > 0 {
+            let plan_tiles = row_tiles * col_tiles;
+            let mask_args = MaskArgs {
+                mask_batch_stride: dims.mask_batch_stride as i64,
+                plan_batch_stride: if states.len() > plan_tiles {
+                    plan_tiles as i64
+                } else {
+                    0
+                },
+                fill: fill as f32,
+            };
+            let problem = ProblemArgs::new(&dims.a, &dims.b);
+            let a = a.slice(dims.a.start..);
+            let b = b.slice(dims.b.start..);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if blocks > i32::MAX as usize {
+                candle_core::bail!("masked_bmm: too many output tiles ({blocks})");
+            }
+            let kernel = Kernel::load(dev, Module::Matmul, &kernel_name::<T>("masked_bmm"))?;
+            // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
+            // the kernel bounds every access by the problem's sizes and strides, which come
+            // from the operands' layouts.
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    args.arg(&a)
+                        .arg(&b)
+                        .arg(mask)
+                        .arg(states)
+                        .arg(&out)
+                        .arg(&problem)
+                        .arg(&mask_args);
+                })?;
+            }
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}

@@ -1,0 +1,541 @@
+//! masked_bmm and argmin_matmul (one tiled matmul core) against f64 references and candle's
+//! composed ops, on every device and dtype.
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_fastops::{
+    argmin_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm, masked_bmm_with_plan,
+    MaskPlan,
+};
+use common::*;
+use rand::Rng;
+
+/// `a . b` in f64 for row-major `a` `[batch, m, k]` and `b` `[batch, k, n]`.
+fn product(a: &[f64], b: &[f64], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut out = vec![0f64; batch * m * n];
+    for bi in 0..batch {
+        for i in 0..m {
+            for p in 0..k {
+                let x = a[(bi * m + i) * k + p];
+                for j in 0..n {
+                    out[(bi * m + i) * n + j] += x * b[(bi * k + p) * n + j];
+                }
+            }
+        }
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy)]
+enum MaskKind {
+    Causal,
+    Random,
+    AllKept,
+    AllMasked,
+}
+
+/// A u8 mask whose kept entries hold arbitrary nonzero values (not just 1).
+fn make_mask(kind: MaskKind, shape: &[usize], dev: &Device, salt: u64) -> Result<Tensor> {
+    let mut rng = rng(salt);
+    let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+    let len: usize = shape.iter().product();
+    let data: Vec<u8> = (0..len)
+        .map(|e| {
+            let (i, j) = ((e / n) % m.max(1), e % n);
+            let keep = match kind {
+                MaskKind::Causal => j <= i,
+                MaskKind::Random => rng.random_bool(0.5),
+                MaskKind::AllKept => true,
+                MaskKind::AllMasked => false,
+            };
+            if keep {
+                rng.random_range(1..=255)
+            } else {
+                0
+            }
+        })
+        .collect();
+    Tensor::from_vec(data, shape, dev)
+}
+
+/// f32 accumulation over k terms of size ~1, then one rounding to the dtype.
+fn product_tolerance(dtype: DType, k: usize) -> f64 {
+    tolerance(dtype) * 4.0 + 4e-7 * (k as f64).sqrt()
+}
+
+/// masked_bmm against the f64 product, masked by hand.
+fn check_masked(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64, what: &str) -> Result<()> {
+    let (batch, m, k) = a.dims3()?;
+    let n = b.dim(2)?;
+    let out = masked_bmm(a, b, mask, fill)?;
+    assert_eq!(out.dims(), [batch, m, n], "{what}");
+    assert_eq!(out.dtype(), a.dtype(), "{what}");
+    let full = product(&to_f64(a)?, &to_f64(b)?, batch, m, k, n);
+    let mask_v = to_f64(&mask.broadcast_as((batch, m, n))?)?;
+    let expected: Vec<f64> = full
+        .iter()
+        .zip(&mask_v)
+        .map(|(&p, &keep)| if keep != 0.0 { p } else { fill })
+        .collect();
+    assert_close(
+        &to_f64(&out)?,
+        &expected,
+        product_tolerance(a.dtype(), k),
+        what,
+    );
+    Ok(())
+}
+
+#[test]
+fn masked_bmm_matches_reference_for_every_mask_and_size() -> Result<()> {
+    for_each_device(|dev| {
+        let shapes = [
+            (1, 1, 1, 1),
+            (2, 7, 5, 1),
+            (3, 127, 33, 129),
+            (1, 129, 64, 127),
+            (2, 300, 17, 257),
+        ];
+        for (s, &(batch, m, k, n)) in shapes.iter().enumerate() {
+            let a = rand_tensor(&[batch, m, k], 1.0, DType::F32, dev, 10 + s as u64)?;
+            let b = rand_tensor(&[batch, k, n], 1.0, DType::F32, dev, 20 + s as u64)?;
+            for kind in [
+                MaskKind::Causal,
+                MaskKind::Random,
+                MaskKind::AllKept,
+                MaskKind::AllMasked,
+            ] {
+                for shared in [true, false] {
+                    let shape: Vec<usize> = if shared {
+                        vec![m, n]
+                    } else {
+                        vec![batch, m, n]
+                    };
+                    let mask = make_mask(kind, &shape, dev, 30 + s as u64)?;
+                    for fill in [0.0, f64::NEG_INFINITY] {
+                        let what = format!(
+                            "[{batch},{m},{k}]x[{batch},{k},{n}] {kind:?} shared={shared} fill={fill}"
+                        );
+                        check_masked(&a, &b, &mask, fill, &what)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn masked_bmm_every_dtype_and_layout() -> Result<()> {
+    for_each_device(|dev| {
+        let (batch, m, k, n) = (3, 131, 36, 140);
+        for dtype in float_dtypes(dev) {
+            let a = rand_tensor(&[batch, m, k], 1.0, dtype, dev, 40)?;
+            let b = rand_tensor(&[batch, k, n], 1.0, dtype, dev, 41)?;
+            let mask = make_mask(MaskKind::Random, &[m, n], dev, 42)?;
+            check_masked(&a, &b, &mask, -1.5, &format!("{dtype:?} contiguous"))?;
+            // Transposed operands (attention's q . k^T), read in place.
+            let at = rand_tensor(&[batch, k, m], 1.0, dtype, dev, 43)?.transpose(1, 2)?;
+            let bt = rand_tensor(&[batch, n, k], 1.0, dtype, dev, 44)?.transpose(1, 2)?;
+            check_masked(&at, &bt, &mask, 0.0, &format!("{dtype:?} transposed"))?;
+            // Offset, strided views (narrowed from larger tensors), odd alignment.
+            let ao = rand_tensor(&[batch, m + 2, k + 3], 1.0, dtype, dev, 45)?
+                .narrow(1, 1, m)?
+                .narrow(2, 3, k)?;
+            let bo = rand_tensor(&[batch + 1, k, n + 1], 1.0, dtype, dev, 46)?
+                .narrow(0, 1, batch)?
+                .narrow(2, 1, n)?;
+            let maskb =
+                make_mask(MaskKind::Causal, &[batch, m, n + 5], dev, 47)?.narrow(2, 2, n)?;
+            check_masked(&ao, &bo, &maskb, 0.0, &format!("{dtype:?} offset views"))?;
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn masked_bmm_empty_dims_and_plans() -> Result<()> {
+    for_each_device(|dev| {
+        for &(batch, m, k, n) in &[(0, 4, 3, 5), (2, 0, 3, 5), (2, 4, 3, 0), (2, 4, 0, 5)] {
+            let a = rand_tensor(&[batch, m, k], 1.0, DType::F32, dev, 50)?;
+            let b = rand_tensor(&[batch, k, n], 1.0, DType::F32, dev, 51)?;
+            let mask = make_mask(MaskKind::Random, &[m, n], dev, 52)?;
+            check_masked(&a, &b, &mask, 7.0, &format!("empty [{batch},{m},{k},{n}]"))?;
+        }
+        // A plan built once serves repeated calls and counts tiles as expected.
+        let causal = make_mask(MaskKind::Causal, &[300, 300], dev, 53)?;
+        let plan = MaskPlan::new(&causal)?;
+        assert_eq!(plan.tile_counts()?, [3, 3, 3]);
+        let random = make_mask(MaskKind::Random, &[2, 300, 300], dev, 54)?;
+        assert_eq!(MaskPlan::new(&random)?.tile_counts()?, [0, 18, 0]);
+        let a = rand_tensor(&[2, 300, 8], 1.0, DType::F32, dev, 55)?;
+        let b = rand_tensor(&[2, 8, 300], 1.0, DType::F32, dev, 56)?;
+        let first = masked_bmm_with_plan(&a, &b, &causal, &plan, f64::NEG_INFINITY)?;
+        let again = masked_bmm_with_plan(&a, &b, &causal, &plan, f64::NEG_INFINITY)?;
+        assert_eq!(to_f64(&first)?, to_f64(&again)?);
+        check_masked(&a, &b, &causal, f64::NEG_INFINITY, "plan reuse")?;
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn masked_bmm_autograd_matches_composed() -> Result<()> {
+    for_each_device(|dev| {
+        let (batch, m, k, n) = (2, 37, 9, 41);
+        let a = Var::from_tensor(&rand_tensor(&[batch, m, k], 1.0, DType::F32, dev, 60)?)?;
+        let b = Var::from_tensor(&rand_tensor(&[batch, k, n], 1.0, DType::F32, dev, 61)?)?;
+        let w = rand_tensor(&[batch, m, n], 1.0, DType::F32, dev, 62)?;
+        let mask = make_mask(MaskKind::Random, &[m, n], dev, 63)?;
+        let out = masked_bmm(a.as_tensor(), b.as_tensor(), &mask, 0.0)?;
+        let grads = (out * &w)?.sum_all()?.backward()?;
+        let keep = mask.to_dtype(DType::F32)?.ne(0f64)?.to_dtype(DType::F32)?;
+        let composed = a.as_tensor().matmul(b.as_tensor())?.broadcast_mul(&keep)?;
+        let ref_grads = (composed * &w)?.sum_all()?.backward()?;
+        for (v, name) in [(&a, "a"), (&b, "b")] {
+            let got = to_f64(grads.get(v.as_tensor()).expect("gradient"))?;
+            let want = to_f64(ref_grads.get(v.as_tensor()).expect("reference gradient"))?;
+            assert_close(&got, &want, 1e-5, &format!("grad {name}"));
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn masked_bmm_bad_inputs_are_errors() -> Result<()> {
+    for_each_device(|dev| {
+        let a = rand_tensor(&[2, 4, 3], 1.0, DType::F32, dev, 70)?;
+        let b = rand_tensor(&[2, 3, 5], 1.0, DType::F32, dev, 71)?;
+        let mask = make_mask(MaskKind::Causal, &[4, 5], dev, 72)?;
+        let expect_err = |r: Result<Tensor>, needle: &str| {
+            let e = r.expect_err(needle).to_string();
+            assert!(e.contains(needle), "error {e:?} should mention {needle:?}");
+        };
+        expect_err(
+            masked_bmm(&a.flatten(0, 1)?, &b, &mask, 0.0),
+            "[batch, m, k]",
+        );
+        expect_err(
+            masked_bmm(&a, &b.narrow(1, 0, 2)?, &mask, 0.0),
+            "shape mismatch",
+        );
+        expect_err(
+            masked_bmm(&a, &b, &mask.narrow(1, 0, 4)?, 0.0),
+            "mask must be",
+        );
+        expect_err(
+            masked_bmm(&a, &b, &mask.to_dtype(DType::F32)?, 0.0),
+            "must be u8",
+        );
+        expect_err(
+            masked_bmm(&a, &b.to_dtype(DType::F16)?, &mask, 0.0),
+            "dtype mismatch",
+        );
+        expect_err(
+            masked_bmm(
+                &a.to_dtype(DType::U32)?,
+                &b.to_dtype(DType::U32)?,
+                &mask,
+                0.0,
+            ),
+            "unsupported dtype",
+        );
+        let other = MaskPlan::new(&make_mask(MaskKind::Causal, &[2, 4, 5], dev, 73)?)?;
+        expect_err(
+            masked_bmm_with_plan(&a, &b, &mask, &other, 0.0),
+            "plan was built",
+        );
+        if dev.is_cuda() {
+            expect_err(
+                masked_bmm(&a, &b.to_device(&Device::Cpu)?, &mask, 0.0),
+                "device mismatch",
+            );
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// Row-wise argmin of `scale * (a . b) + bias` in f64, ties to the lowest column; also returns
+/// each row's scores.
+fn argmin_reference(
+    a: &[f64],
+    b: &[f64],
+    bias: &[f64],
+    scale: f64,
+    (batch, m, k, n): (usize, usize, usize, usize),
+) -> Vec<Vec<f64>> {
+    let p = product(a, b, batch, m, k, n);
+    (0..batch * m)
+        .map(|r| (0..n).map(|j| scale * p[r * n + j] + bias[j]).collect())
+        .collect()
+}
+
+/// The chosen column must score within `tol` of the row's minimum (near ties may go either way
+/// between devices); when the best is separated from the runner-up by more, it must be exact.
+fn check_argmin(got: &[u32], scores: &[Vec<f64>], tol: f64, what: &str) {
+    assert_eq!(got.len(), scores.len(), "{what}: length");
+    for (r, (&j, row)) in got.iter().zip(scores).enumerate() {
+        let (best_j, best) =
+            row.iter().enumerate().fold(
+                (0, f64::INFINITY),
+                |acc, (j, &v)| if v < acc.1 { (j, v) } else { acc },
+            );
+        let spread = row.iter().fold(0f64, |m, v| m.max(v.abs())).max(1.0);
+        assert!(
+            (j as usize) < row.len(),
+            "{what}: row {r}: index {j} out of range"
+        );
+        let err = (row[j as usize] - best) / spread;
+        assert!(
+            err <= tol,
+            "{what}: row {r}: picked {j} (score {}), best {best_j} (score {best}), error {err:.2e}",
+            row[j as usize]
+        );
+    }
+}
+
+#[test]
+fn argmin_matmul_matches_reference() -> Result<()> {
+    for_each_device(|dev| {
+        let cases = [
+            (1, 1, 1, 1),
+            (1, 7, 1, 129),
+            (2, 127, 33, 7),
+            (1, 129, 64, 1000),
+            (3, 300, 5, 257),
+        ];
+        for (s, &(batch, m, k, n)) in cases.iter().enumerate() {
+            for dtype in float_dtypes(dev) {
+                let salt = 100 + 10 * s as u64;
+                let a = rand_tensor(&[batch, m, k], 1.0, dtype, dev, salt)?;
+                let b = rand_tensor(&[batch, k, n], 1.0, dtype, dev, salt + 1)?;
+                let bias = rand_tensor(&[n], 2.0, DType::F32, dev, salt + 2)?;
+                for (scale, bias) in [(1.0, None), (-2.0, Some(&bias))] {
+                    let got = argmin_matmul(&a, &b, bias, scale)?;
+                    assert_eq!(got.dims(), [batch, m]);
+                    assert_eq!(got.dtype(), DType::U32);
+                    let bias_v = match bias {
+                        Some(t) => to_f64(t)?,
+                        None => vec![0.0; n],
+                    };
+                    let scores = argmin_reference(
+                        &to_f64(&a)?,
+                        &to_f64(&b)?,
+                        &bias_v,
+                        scale,
+                        (batch, m, k, n),
+                    );
+                    let got = got.flatten_all()?.to_vec1::<u32>()?;
+                    let tol = 1e-5 + 2e-6 * k as f64;
+                    check_argmin(
+                        &got,
+                        &scores,
+                        tol,
+                        &format!("{dtype:?} case {s} scale {scale}"),
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn argmin_matmul_ties_layouts_and_batches() -> Result<()> {
+    for_each_device(|dev| {
+        // Small integers: every score is exact, so the index must be exactly the lowest tied
+        // column on every device. Columns are duplicated to plant ties.
+        let (m, k, n) = (200, 6, 300);
+        let mut rng = rng(200);
+        let a: Vec<f32> = (0..m * k)
+            .map(|_| rng.random_range(-3..=3) as f32)
+            .collect();
+        let mut cols: Vec<Vec<f32>> = (0..n)
+            .map(|_| (0..k).map(|_| rng.random_range(-3..=3) as f32).collect())
+            .collect();
+        for j in (0..n).step_by(7) {
+            let src = rng.random_range(0..n);
+            cols[j] = cols[src].clone();
+        }
+        // b stored as [n, k] (a centroid table) and used transposed: read in place.
+        let bt = Tensor::from_vec(cols.concat(), (n, k), dev)?;
+        let b = bt.t()?;
+        let at = Tensor::from_vec(a, (m, k), dev)?;
+        let got = argmin_matmul(&at, &b, None, 1.0)?.to_vec1::<u32>()?;
+        let scores = argmin_reference(
+            &to_f64(&at)?,
+            &to_f64(&b)?,
+            &vec![0.0; n],
+            1.0,
+            (1, m, k, n),
+        );
+        for (r, row) in scores.iter().enumerate() {
+            let best = row.iter().cloned().fold(f64::INFINITY, f64::min);
+            let first = row.iter().position(|&v| v == best).unwrap() as u32;
+            assert_eq!(got[r], first, "row {r}: tie must go to the lowest column");
+        }
+        // Leading batch dims with a shared 2-D b, and with a batched b.
+        let a4 = rand_tensor(&[2, 3, 17, 8], 1.0, DType::F32, dev, 201)?;
+        let shared = rand_tensor(&[40, 8], 1.0, DType::F32, dev, 202)?.t()?;
+        let got = argmin_matmul(&a4, &shared, None, 1.0)?;
+        assert_eq!(got.dims(), [2, 3, 17]);
+        let per_batch = argmin_matmul(&a4.flatten(0, 2)?, &shared, None, 1.0)?;
+        assert_eq!(
+            got.flatten_all()?.to_vec1::<u32>()?,
+            per_batch.to_vec1::<u32>()?
+        );
+        let b4 = rand_tensor(&[2, 3, 8, 40], 1.0, DType::F32, dev, 203)?;
+        let got = argmin_matmul(&a4, &b4, None, -1.0)?
+            .flatten_all()?
+            .to_vec1::<u32>()?;
+        let scores = argmin_reference(
+            &to_f64(&a4)?,
+            &to_f64(&b4)?,
+            &[0.0; 40],
+            -1.0,
+            (6, 17, 8, 40),
+        );
+        check_argmin(&got, &scores, 1e-5, "batched b");
+        // A non-collapsible a (a permuted batch) is copied, with the same answer.
+        let ap = a4.transpose(0, 1)?;
+        let got = argmin_matmul(&ap, &shared, None, 1.0)?;
+        let want = argmin_matmul(&ap.contiguous()?, &shared, None, 1.0)?;
+        assert_eq!(to_f64(&got)?, to_f64(&want)?);
+        // k = 0: the product is zero, the bias decides.
+        let bias = Tensor::new(&[3f32, -1.0, 5.0, -1.0], dev)?;
+        let got = argmin_matmul(
+            &Tensor::zeros((5, 0), DType::F32, dev)?,
+            &Tensor::zeros((0, 4), DType::F32, dev)?,
+            Some(&bias),
+            1.0,
+        )?;
+        assert_eq!(got.to_vec1::<u32>()?, [1; 5]);
+        // m = 0: empty result.
+        let got = argmin_matmul(
+            &Tensor::zeros((0, 3), DType::F32, dev)?,
+            &Tensor::zeros((3, 4), DType::F32, dev)?,
+            None,
+            1.0,
+        )?;
+        assert_eq!(got.dims(), [0]);
+        // A row of NaN scores gets index 0; other rows are unaffected.
+        let a = Tensor::new(&[[f32::NAN, 1.0], [1.0, 2.0]], dev)?;
+        let b = Tensor::new(&[[1f32, 2.0, 3.0], [1.0, -4.0, 0.0]], dev)?;
+        assert_eq!(argmin_matmul(&a, &b, None, 1.0)?.to_vec1::<u32>()?, [0, 1]);
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn argmin_matmul_bad_inputs_are_errors() -> Result<()> {
+    for_each_device(|dev| {
+        let a = rand_tensor(&[4, 3], 1.0, DType::F32, dev, 300)?;
+        let b = rand_tensor(&[3, 5], 1.0, DType::F32, dev, 301)?;
+        let expect_err = |r: Result<Tensor>, needle: &str| {
+            let e = r.expect_err(needle).to_string();
+            assert!(e.contains(needle), "error {e:?} should mention {needle:?}");
+        };
+        expect_err(
+            argmin_matmul(&a.flatten_all()?, &b, None, 1.0),
+            "[.., m, k]",
+        );
+        expect_err(argmin_matmul(&a, &b.t()?, None, 1.0), "inner dims");
+        expect_err(
+            argmin_matmul(
+                &a.unsqueeze(0)?,
+                &b.unsqueeze(0)?.repeat((2, 1, 1))?,
+                None,
+                1.0,
+            ),
+            "batch dims",
+        );
+        expect_err(
+            argmin_matmul(&a, &b.narrow(1, 0, 0)?, None, 1.0),
+            "no columns",
+        );
+        expect_err(
+            argmin_matmul(&a, &b.to_dtype(DType::F16)?, None, 1.0),
+            "dtype mismatch",
+        );
+        let short = Tensor::zeros(4, DType::F32, dev)?;
+        expect_err(argmin_matmul(&a, &b, Some(&short), 1.0), "col_bias must be");
+        expect_err(
+            kmeans_assign(&a, &rand_tensor(&[5, 4], 1.0, DType::F32, dev, 302)?),
+            "features per row",
+        );
+        if dev.is_cuda() {
+            expect_err(
+                argmin_matmul(&a, &b.to_device(&Device::Cpu)?, None, 1.0),
+                "device mismatch",
+            );
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn kmeans_assign_finds_the_nearest_centroid() -> Result<()> {
+    for_each_device(|dev| {
+        let (n, c, d) = (1000, 37, 13);
+        for dtype in float_dtypes(dev) {
+            let x = rand_tensor(&[n, d], 3.0, dtype, dev, 400)?;
+            let centroids = rand_tensor(&[c, d], 3.0, dtype, dev, 401)?;
+            let (assign, dist) = kmeans_assign_with_distances(&x, &centroids)?;
+            assert_eq!(
+                assign.to_vec1::<u32>()?,
+                kmeans_assign(&x, &centroids)?.to_vec1::<u32>()?
+            );
+            let (xv, cv) = (to_f64(&x)?, to_f64(&centroids)?);
+            let assign = assign.to_vec1::<u32>()?;
+            let dist = to_f64(&dist)?;
+            for i in 0..n {
+                let d2 = |j: usize| -> f64 {
+                    (0..d)
+                        .map(|p| (xv[i * d + p] - cv[j * d + p]).powi(2))
+                        .sum()
+                };
+                let best = (0..c).map(d2).fold(f64::INFINITY, f64::min);
+                let picked = d2(assign[i] as usize);
+                assert!(
+                    picked - best <= 1e-4 * best.max(1.0),
+                    "{dtype:?} row {i}: picked distance {picked}, best {best}"
+                );
+                assert!((dist[i] - picked).abs() <= 1e-4 * picked.max(1.0));
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn cpu_and_gpu_agree() -> Result<()> {
+    let Some(gpu) = gpu() else {
+        return Ok(());
+    };
+    let (batch, m, k, n) = (4, 257, 64, 263);
+    let a = rand_tensor(&[batch, m, k], 1.0, DType::F32, &Device::Cpu, 500)?;
+    let b = rand_tensor(&[batch, k, n], 1.0, DType::F32, &Device::Cpu, 501)?;
+    let mask = make_mask(MaskKind::Causal, &[m, n], &Device::Cpu, 502)?;
+    let cpu = masked_bmm(&a, &b, &mask, f64::NEG_INFINITY)?;
+    let gpu_out = masked_bmm(
+        &a.to_device(&gpu)?,
+        &b.to_device(&gpu)?,
+        &mask.to_device(&gpu)?,
+        f64::NEG_INFINITY,
+    )?;
+    assert_close(
+        &to_f64(&gpu_out)?,
+        &to_f64(&cpu)?,
+        1e-5,
+        "masked_bmm CPU vs GPU",
+    );
+    Ok(())
+}
