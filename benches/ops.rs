@@ -39,7 +39,6 @@ struct Row {
 #[derive(Clone, Copy)]
 enum Work {
     Bytes(f64),
-    #[allow(dead_code)]
     Flops(f64),
 }
 
@@ -649,6 +648,110 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
+/// What a candle user writes today for a masked product: the full product, then `where_cond`.
+fn masked_bmm_composite(a: &Tensor, b: &Tensor, mask: &Tensor, fill: &Tensor) -> Result<Tensor> {
+    let prod = a.matmul(b)?;
+    mask.broadcast_as(prod.shape())?
+        .where_cond(&prod, &fill.broadcast_as(prod.shape())?)
+}
+
+fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
+    const OP: &str = "masked_bmm";
+    if !b.wants(OP) {
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    let cases: Vec<(usize, usize, usize, Vec<DType>)> = if dev.is_cuda() {
+        vec![
+            (64, 2048, 64, vec![DType::F32, DType::BF16]),
+            (16, 4096, 128, vec![DType::F32, DType::BF16]),
+        ]
+    } else {
+        vec![
+            (8, 512, 64, vec![DType::F32]),
+            (2, 1024, 128, vec![DType::F32]),
+        ]
+    };
+    for (batch, size, k, dtypes) in cases {
+        let mask = Tensor::tril2(size, DType::U8, &dev)?;
+        let plan = candle_fastops::MaskPlan::new(&mask)?;
+        for dtype in dtypes {
+            let q = randn(&[batch, size, k], dtype, &dev)?;
+            let kt = randn(&[batch, k, size], dtype, &dev)?;
+            let fill = Tensor::full(f32::NEG_INFINITY, (), &dev)?.to_dtype(dtype)?;
+            // Dense-equivalent FLOPs: the rate column shows what the skip buys.
+            let flops = 2.0 * (batch * size * size * k) as f64;
+            let case = format!("causal b={batch} m=n={size} k={k}");
+            b.compare(
+                OP,
+                &format!("{case} plan"),
+                dtype,
+                Work::Flops(flops),
+                || {
+                    candle_fastops::masked_bmm_with_plan(&q, &kt, &mask, &plan, f64::NEG_INFINITY)
+                        .map(drop)
+                },
+                "matmul + where_cond",
+                || masked_bmm_composite(&q, &kt, &mask, &fill).map(drop),
+            )?;
+            b.compare(
+                OP,
+                &format!("{case} no plan"),
+                dtype,
+                Work::Flops(flops),
+                || candle_fastops::masked_bmm(&q, &kt, &mask, f64::NEG_INFINITY).map(drop),
+                "matmul alone",
+                || q.matmul(&kt).map(drop),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// k-means assignment as a candle user writes it: `-2 x.c^T + |c|^2`, argmin, in row chunks so
+/// the n x c matrix fits.
+fn kmeans_composite(x: &Tensor, centroids: &Tensor, chunk: usize) -> Result<Tensor> {
+    let norms = centroids.sqr()?.sum(1)?;
+    let ct = centroids.t()?.contiguous()?;
+    let mut parts = Vec::new();
+    for start in (0..x.dim(0)?).step_by(chunk) {
+        let rows = x.narrow(0, start, chunk.min(x.dim(0)? - start))?;
+        let scores = rows.matmul(&ct)?.affine(-2.0, 0.0)?.broadcast_add(&norms)?;
+        parts.push(scores.argmin(1)?);
+    }
+    Tensor::cat(&parts, 0)
+}
+
+fn bench_kmeans(b: &mut Bench) -> Result<()> {
+    const OP: &str = "kmeans_assign";
+    if !b.wants(OP) {
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    let cases: Vec<(usize, usize, usize)> = if dev.is_cuda() {
+        vec![(1 << 20, 4096, 128), (1 << 20, 16384, 64)]
+    } else {
+        vec![(65536, 1024, 64)]
+    };
+    b.iterations = Some(if dev.is_cuda() { (2, 7) } else { (1, 3) });
+    for (n, c, d) in cases {
+        let x = randn(&[n, d], DType::F32, &dev)?;
+        let centroids = randn(&[c, d], DType::F32, &dev)?;
+        let chunk = if dev.is_cuda() { 1 << 16 } else { n };
+        b.compare(
+            OP,
+            &format!("n={n} c={c} d={d}"),
+            DType::F32,
+            Work::Flops(2.0 * (n * c * d) as f64),
+            || candle_fastops::kmeans_assign(&x, &centroids).map(drop),
+            &format!("matmul+argmin, chunks of {chunk}"),
+            || kmeans_composite(&x, &centroids, chunk).map(drop),
+        )?;
+    }
+    b.iterations = None;
+    Ok(())
+}
+
 fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
     candle_fastops::bias_add(xs, bias, dim).map(drop)
 }
@@ -677,6 +780,8 @@ fn main() -> Result<()> {
     bench_softmax(&mut bench)?;
     bench_sparse_linear(&mut bench)?;
     bench_small_fc_lopt(&mut bench)?;
+    bench_masked_bmm(&mut bench)?;
+    bench_kmeans(&mut bench)?;
     match bench.write_jsonl() {
         Ok(path) => println!("rows appended to {}", path.display()),
         Err(e) => eprintln!("could not write bench rows: {e}"),
