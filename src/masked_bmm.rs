@@ -320,7 +320,6 @@ impl MaskedBmm {
                             let mask_rows = &mask
                                 [dims.mask_start + bi * dims.mask_batch_stride + row0 * n..]
                                 [..rows.len() * n];
-                            let dst = out_rows.as_mut_ptr().cast::<A>();
                             let mut tj = 0;
                             while tj < col_tiles {
                                 let cols = |t: usize| t * TILE..((t + 1) * TILE).min(n);
@@ -348,14 +347,17 @@ impl MaskedBmm {
                                         bi,
                                         rows.clone(),
                                         span.clone(),
-                                        dst.add(span.start),
+                                        out_rows.as_mut_ptr().cast::<A>().add(span.start),
                                         n,
                                     )
                                 };
-                                for t in tj..run_end {
-                                    if tile_states[t] != PARTIAL {
-                                        continue;
-                                    }
+                                for (t, _) in tile_states
+                                    .iter()
+                                    .enumerate()
+                                    .take(run_end)
+                                    .skip(tj)
+                                    .filter(|(_, &s)| s == PARTIAL)
+                                {
                                     for r in 0..rows.len() {
                                         for c in cols(t) {
                                             if mask_rows[r * n + c] == 0 {

@@ -166,7 +166,7 @@ pub(crate) mod cuda {
         /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
         /// elements relative to the view's start.
         fn new(view: &MatView, outer_stride: usize, k_stride: usize, outer_len: usize) -> Self {
-            let aligned = |s: usize| s % 4 == 0;
+            let aligned = |s: usize| s.is_multiple_of(4);
             let batch_ok = view.batch <= 1 || aligned(view.batch_stride);
             let (mode, vectorised) = if k_stride == 1 {
                 let vec =
