@@ -81,7 +81,7 @@ pub fn argmin_matmul(
 /// let x = Tensor::new(&[[0f32, 0.], [9., 9.], [4., 6.]], &dev)?;
 /// let centroids = Tensor::new(&[[10f32, 10.], [0., 1.]], &dev)?;
 /// let assign = candle_fastops::kmeans_assign(&x, &centroids)?;
-/// assert_eq!(assign.to_vec1::<u32>()?, [1, 0, 0]);
+/// assert_eq!(assign.to_vec1::<u32>()?, [1, 0, 1]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn kmeans_assign(x: &Tensor, centroids: &Tensor) -> Result<Tensor> {
