@@ -39,6 +39,20 @@
 //! assert_eq!(acc.dims(), [2, 64]);
 //! let grads = acc.clamp(0f32, 1f32)?.sum_all()?.backward()?;
 //! assert_eq!(grads.get(&weight).unwrap().dims(), [768, 32]);
+//!
+//! // Causal attention scores: the product masked to -inf above the diagonal, upper tiles skipped.
+//! let q = Tensor::randn(0f32, 1., (4, 200, 32), &dev)?;
+//! let k = Tensor::randn(0f32, 1., (4, 200, 32), &dev)?;
+//! let causal = Tensor::tril2(200, DType::U8, &dev)?;
+//! let plan = candle_fastops::MaskPlan::new(&causal)?; // reusable while the mask is unchanged
+//! let scores = candle_fastops::masked_bmm_with_plan(&q, &k.t()?, &causal, &plan, f64::NEG_INFINITY)?;
+//! let attn = candle_fastops::softmax_dims(&scores, &[2])?;
+//!
+//! // k-means assignment without the n x c distance matrix (u32 index of the nearest centroid).
+//! let points = Tensor::randn(0f32, 1., (1000, 16), &dev)?;
+//! let centroids = Tensor::randn(0f32, 1., (10, 16), &dev)?;
+//! let assign = candle_fastops::kmeans_assign(&points, &centroids)?;
+//! assert_eq!((attn.dims(), assign.dims()), (&[4, 200, 200][..], &[1000][..]));
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
