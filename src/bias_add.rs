@@ -444,14 +444,9 @@ mod cuda {
     /// threads; a sweep of 1..8 on the H200 (BENCHMARKS.md) was best at 2 for 4-byte and 3 for
     /// 2-byte types. `FASTOPS_BIAS_ADD_BLOCKS_PER_SM` overrides it for tuning runs.
     fn blocks_per_sm(elem_bytes: usize) -> u32 {
-        static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-        let forced = *OVERRIDE.get_or_init(|| {
-            std::env::var("FASTOPS_BIAS_ADD_BLOCKS_PER_SM")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|&b| b > 0)
-        });
-        forced.unwrap_or(if elem_bytes >= 4 { 2 } else { 3 })
+        crate::cuda::tuning("FASTOPS_BIAS_ADD_BLOCKS_PER_SM")
+            .filter(|&b| b > 0)
+            .unwrap_or(if elem_bytes >= 4 { 2 } else { 3 })
     }
 
     /// 16-byte vectors each thread loads before using the first (`UNROLL` in the kernel).

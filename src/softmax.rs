@@ -329,7 +329,7 @@ mod cpu {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{alloc_output, sm_count, Kernel, Module};
+    use crate::cuda::{alloc_output, sm_count, tuning, Kernel, Module};
     use crate::reduce_plan::{Block, ReducePlan, MAX_BLOCKS};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -431,6 +431,10 @@ mod cuda {
 
     /// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
     const THREADS: usize = 256;
+    /// What one thread of the `_cached` kernels holds (`cached_units` in `softmax.cu`): single
+    /// elements, or 16-byte vectors.
+    const CACHED_ELEMENTS: usize = 16;
+    const CACHED_VECTORS: usize = 4;
     /// Fewest elements a thread should stream per chunk before splitting groups pays.
     const MIN_ELEMS_PER_THREAD: usize = 64;
 
@@ -482,20 +486,51 @@ mod cuda {
             Form::Lanes => (plan.group_size(), groups / LANE_WIDTH),
             Form::Scalar => (plan.group_size(), groups),
         };
-        let (lx, ly) = if lanes > 1 {
-            // Column-like groups: enough y threads that a group fits in their registers (the
-            // kernel's CACHE = 16 values each), at most 8 so a warp still reads whole sectors.
-            let per_thread = if form == Form::Lanes {
-                16 / LANE_WIDTH
-            } else {
-                16
-            };
-            let ly = size.div_ceil(per_thread).next_power_of_two().min(8);
-            (THREADS / ly, ly)
-        } else {
-            let ly = size.next_power_of_two().min(THREADS);
-            (THREADS / ly, ly)
+        let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
+        let prefix = if log { "log_softmax" } else { "softmax" };
+        let variant = match form {
+            Form::Vec(_) => "_vec",
+            Form::Lanes => "_lanes",
+            Form::Scalar => "",
         };
+        // Units per thread that fit in the `_cached` kernels' registers (the other kernels size
+        // their blocks alike).
+        let per_thread = if form == Form::Scalar {
+            CACHED_ELEMENTS
+        } else {
+            CACHED_VECTORS
+        };
+        // Column-like groups get at most 8 y threads, so a warp still reads whole sectors.
+        let max_ly = if lanes > 1 { 8 } else { THREADS };
+        let ly = size.div_ceil(per_thread).next_power_of_two().min(max_ly);
+        let lx = THREADS / ly;
+        if form != Form::Lanes && size <= per_thread * ly {
+            // One read: persistent blocks, as many as fit on the device, walk the columns.
+            let kernel = Kernel::load(
+                dev,
+                Module::Softmax,
+                &kernel_name::<T>(&format!("{prefix}_cached{variant}")),
+            )?;
+            let columns = group_units.div_ceil(lx);
+            let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)?;
+            let per_sm = tuning("FASTOPS_SOFTMAX_BLOCKS_PER_SM")
+                .filter(|&b| b > 0)
+                .map_or(resident, |b| b.min(resident));
+            let blocks = columns.min(per_sm as usize * sm_count(dev)? as usize);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (lx as u32, ly as u32, 1),
+                shared_mem_bytes: (lx * ly * 8) as u32,
+            };
+            let columns = columns as u32;
+            // SAFETY: arguments match `softmax_cached`; it touches only groups < num_groups and
+            // elements < group_size, inside xs / ys by construction of the plan.
+            return unsafe {
+                kernel.launch(cfg, |args| {
+                    args.arg(xs).arg(ys).arg(&layout).arg(&columns);
+                })
+            };
+        }
         let blocks_x = group_units.div_ceil(lx);
         let target_blocks = 4 * sm_count(dev)? as usize;
         let mut chunks = 1;
@@ -511,17 +546,10 @@ mod cuda {
             block_dim: (lx as u32, ly as u32, 1),
             shared_mem_bytes: (lx * ly * 8) as u32,
         };
-        let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
         if form == Form::Lanes {
             layout.num_groups = group_units as u32;
         }
         let chunk_len = chunk_len as u32;
-        let prefix = if log { "log_softmax" } else { "softmax" };
-        let variant = match form {
-            Form::Vec(_) => "_vec",
-            Form::Lanes => "_lanes",
-            Form::Scalar => "",
-        };
         // SAFETY (all launches): arguments match the kernels' signatures; every access is
         // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
         // of the plan for this shape.

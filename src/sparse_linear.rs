@@ -766,7 +766,7 @@ mod cpu {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Features, OP};
-    use crate::cuda::{grid_stride_config, l2_bytes, sm_count, ErrorFlag, Kernel, Module};
+    use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, ErrorFlag, Kernel, Module};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
     };
@@ -807,10 +807,6 @@ mod cuda {
             }
         }
         Ok(())
-    }
-
-    fn tuning(name: &str) -> Option<u32> {
-        std::env::var(name).ok().and_then(|v| v.parse().ok())
     }
 
     /// How a kernel is launched: its variant, the width of its column stripes, and how many

@@ -248,6 +248,39 @@ fn vector_path_aligned_and_misaligned() {
 }
 
 #[test]
+fn one_read_kernels_loop_over_more_groups_than_resident_blocks() {
+    // The GPU's one-read kernels run a grid of resident blocks that walk the groups; these shapes
+    // hold several times more group columns than an H200 keeps resident, a last column that is
+    // only partly valid, and masked / NaN groups late in the walk.
+    for_each_device(|dev| {
+        // The CPU has no resident grid; a tenth of the size keeps its (debug-build) run short.
+        let n = if dev.is_cuda() { 100_001 } else { 10_001 };
+        for dtype in float_dtypes(dev) {
+            let mut host = to_f64(&rand_tensor(&[n, 40], 3.0, DType::F32, dev, 151)?)?;
+            for v in &mut host[40 * (n - 1001)..40 * (n - 1000)] {
+                *v = f64::NEG_INFINITY;
+            }
+            host[40 * (n - 1236) + 7] = f64::NAN;
+            let rows = Tensor::from_vec(host, (n, 40), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)?;
+            check(&rows, &[1], "many short rows")?;
+            check(
+                &rand_tensor(&[n / 50, 4096], 3.0, dtype, dev, 152)?,
+                &[1],
+                "many 4096 rows",
+            )?;
+            check(
+                &rand_tensor(&[32, 2 * n + 1], 3.0, dtype, dev, 153)?,
+                &[0],
+                "many columns of 32",
+            )?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
 fn lane_path_columns_of_four() {
     // Column-like groups of more than 128 elements whose lane count is a multiple of 4 take the
     // 4-groups-per-access kernels on the GPU (streamed and chunked), with masked and NaN

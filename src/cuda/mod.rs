@@ -75,6 +75,30 @@ impl Kernel {
         builder.launch(cfg).w()?;
         Ok(())
     }
+
+    /// How many blocks of `threads` threads and `shared_mem_bytes` of dynamic shared memory fit
+    /// on one multiprocessor at once (registers, shared memory and thread limits), at least 1.
+    pub(crate) fn resident_blocks_per_sm(&self, threads: u32, shared_mem_bytes: usize) -> Result<u32> {
+        let blocks = self
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_mem_bytes, None)
+            .w()?;
+        Ok(blocks.max(1))
+    }
+}
+
+/// A launch parameter forced through the environment for tuning runs (`benches/` sweeps), read
+/// once per name; `None` when unset or unparsable.
+pub(crate) fn tuning(name: &'static str) -> Option<u32> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static VALUES: OnceLock<Mutex<HashMap<&'static str, Option<u32>>>> = OnceLock::new();
+    let mut values = VALUES.get_or_init(Default::default).lock().ok()?;
+    *values.entry(name).or_insert_with(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+    })
 }
 
 /// Allocates an output buffer the kernel is expected to overwrite completely.

@@ -8,11 +8,14 @@
 // across y in shared memory.
 //
 // Kernels:
-//   *_fused:  one block covers whole groups: pass 1 reads (keeping up to CACHE values per thread
-//             in registers), pass 2 writes (re-reading only what did not fit).
+//   *_cached: groups that fit in registers (CACHED_UNITS per thread): one read, one write.
+//             Persistent blocks walk columns of groups and load the next column before reducing
+//             the current one, so every block always has a group's loads in flight.
+//   *_fused:  one block covers whole groups: pass 1 reads, pass 2 re-reads and writes.
 //   softmax_partial + *_finish: groups too large for the grid are split into chunks along j
 //             (gridDim.y); partial writes one (max, sum) pair per (group, chunk), finish folds
-//             the pairs of its group and writes its chunk. No grid-wide barrier anywhere.
+//             the pairs of its group and writes its chunk, walking the blocks in reverse so its
+//             first reads hit what partial left in L2. No grid-wide barrier anywhere.
 #include "common.cuh"
 #include <math_constants.h>
 
@@ -21,7 +24,6 @@ using namespace fastops;
 namespace {
 
 constexpr int MAX_BLOCKS = 6;
-constexpr int CACHE = 16;
 
 // n / d and n % d for n < 2^31 with one multiply-high (Granlund & Montgomery).
 struct FastDiv {
@@ -180,10 +182,12 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     using U = Unit<T, W>;
     constexpr int NA = LANES ? W : 1;  // accumulators per thread
     constexpr int BATCH = W == 1 ? 8 : 4;
-    constexpr int CACHED_UNITS = CACHE / W;
-    const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+    // Finish walks the grid backwards: the last chunks partial read are still in L2.
+    const uint32_t bx = MODE == Mode::Finish ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const uint32_t by = MODE == Mode::Finish ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+    const uint32_t g = bx * blockDim.x + threadIdx.x;
     const bool valid = g < L.num_groups;
-    const uint32_t j_begin = blockIdx.y * chunk_len;
+    const uint32_t j_begin = by * chunk_len;
     const uint32_t j_end = min(L.group_size, j_begin + chunk_len);
     const uint32_t step = blockDim.y;
     const uint32_t first = j_begin + threadIdx.y;
@@ -191,60 +195,20 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     const uint64_t base = valid ? group_base(L, LANES ? g * W : g) : 0;
     const T* xg = x + base;
     T* yg = y + base;
-    // Fused blocks whose group fits in CACHE values per thread read it once, from registers.
-    const bool cached = MODE == Mode::Fused && j_end - j_begin <= CACHED_UNITS * step;
-
     Online acc[NA];
-    U raw[CACHED_UNITS];
-    float local_m[NA];
-#pragma unroll
-    for (int a = 0; a < NA; ++a) local_m[a] = -CUDART_INF_F;
     if constexpr (MODE != Mode::Finish) {
         if (active) {
             Cursor cur;
             cur.seek(L, first);
-            if (cached) {
-                const int n = load_batch<CACHED_UNITS>(xg, L, cur, j_end, step, raw);
-                bool nan[NA] = {};
+            while (cur.j < j_end) {
+                U batch[BATCH];
+                const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
 #pragma unroll
-                for (int k = 0; k < CACHED_UNITS; ++k) {
+                for (int k = 0; k < BATCH; ++k)
                     if (k < n) {
 #pragma unroll
-                        for (int w = 0; w < W; ++w) {
-                            const int a = LANES ? w : 0;
-                            const float v = to_float(raw[k].v[w]);
-                            local_m[a] = fmaxf(local_m[a], v);
-                            nan[a] |= isnan(v);
-                        }
+                        for (int w = 0; w < W; ++w) acc[LANES ? w : 0].push(to_float(batch[k].v[w]));
                     }
-                }
-                float s[NA] = {};
-#pragma unroll
-                for (int k = 0; k < CACHED_UNITS; ++k) {
-                    if (k < n) {
-#pragma unroll
-                        for (int w = 0; w < W; ++w) {
-                            const int a = LANES ? w : 0;
-                            if (local_m[a] != -CUDART_INF_F) s[a] += __expf(to_float(raw[k].v[w]) - local_m[a]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int a = 0; a < NA; ++a) {
-                    acc[a].m = nan[a] ? CUDART_NAN_F : local_m[a];
-                    acc[a].s = nan[a] ? CUDART_NAN_F : s[a];
-                }
-            } else {
-                while (cur.j < j_end) {
-                    U batch[BATCH];
-                    const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
-#pragma unroll
-                    for (int k = 0; k < BATCH; ++k)
-                        if (k < n) {
-#pragma unroll
-                            for (int w = 0; w < W; ++w) acc[LANES ? w : 0].push(to_float(batch[k].v[w]));
-                        }
-                }
             }
         }
 #pragma unroll
@@ -254,7 +218,7 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
 #pragma unroll
                 for (int a = 0; a < NA; ++a) {
                     const uint64_t group = LANES ? static_cast<uint64_t>(g) * W + a : g;
-                    partials[group * gridDim.y + blockIdx.y] = make_float2(acc[a].m, acc[a].s);
+                    partials[group * gridDim.y + by] = make_float2(acc[a].m, acc[a].s);
                 }
             }
             return;
@@ -279,40 +243,6 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     }
     Cursor cur;
     cur.seek(L, first);
-    if (cached) {
-        // Rescale exp(x - this thread's max) to the group's max.
-        bool thread_masked[NA];
-        float scale[NA];
-#pragma unroll
-        for (int a = 0; a < NA; ++a) {
-            thread_masked[a] = local_m[a] == -CUDART_INF_F || acc[a].m == -CUDART_INF_F;
-            scale[a] = thread_masked[a] ? 0.f : __expf(local_m[a] - acc[a].m) * inv_s[a];
-        }
-#pragma unroll
-        for (int k = 0; k < CACHED_UNITS; ++k) {
-            if (cur.j < j_end) {
-                U out;
-#pragma unroll
-                for (int w = 0; w < W; ++w) {
-                    const int a = LANES ? w : 0;
-                    const float v = to_float(raw[k].v[w]);
-                    float o;
-                    if (isnan(acc[a].m)) {
-                        o = CUDART_NAN_F;
-                    } else if (LOG) {
-                        // (x - m) first: exact for nearby values, so large x lose nothing.
-                        o = acc[a].m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc[a].m) - log_s[a];
-                    } else {
-                        o = thread_masked[a] ? 0.f : __expf(v - local_m[a]) * scale[a];
-                    }
-                    out.v[w] = from_float<T>(o);
-                }
-                *reinterpret_cast<U*>(yg + cur.offset) = out;
-                cur.advance(L, step);
-            }
-        }
-        return;
-    }
     while (cur.j < j_end) {
         Cursor store = cur;
         U batch[BATCH];
@@ -333,11 +263,125 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     }
 }
 
+// Units a thread of the cached kernel holds: 16 single elements, or 4 16-byte vectors.
+template <int W> __host__ __device__ constexpr int cached_units() { return W == 1 ? 16 : 4; }
+
+// Groups of at most cached_units<W>() * blockDim.y units (row-like groups in 16-byte vectors,
+// W > 1, or any group one element at a time), one read and one write per element. Block b
+// handles the columns of blockDim.x groups b, b + gridDim.x, ...; the loads of the next column
+// are issued before the current one is reduced, so the block's loads stay in flight across the
+// reduction's barriers (a block that loads, reduces, then writes leaves HBM idle meanwhile).
+template <typename T, int W, bool LOG>
+__device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const ReduceLayout& L,
+                               uint32_t columns) {
+    using U = Unit<T, W>;
+    constexpr int UNITS = cached_units<W>();
+    // exp(x - thread max) is kept for the write when it costs no extra registers (f32); half
+    // types recompute it rather than double their register footprint.
+    constexpr bool KEEP_EXP = !LOG && sizeof(T) == 4;
+    const uint32_t step = blockDim.y;
+    const bool has_elements = threadIdx.y < L.group_size;
+    auto base_of = [&](uint32_t column) -> uint64_t {
+        const uint32_t g = column * blockDim.x + threadIdx.x;
+        return column < columns && g < L.num_groups ? group_base(L, g) : UINT64_MAX;
+    };
+    auto load = [&](uint64_t base, U (&dst)[UNITS]) -> int {
+        if (base == UINT64_MAX || !has_elements) return 0;
+        Cursor cur;
+        cur.seek(L, threadIdx.y);
+        return load_batch<UNITS>(x + base, L, cur, L.group_size, step, dst);
+    };
+    U raw[UNITS], next[UNITS];
+    uint64_t base = base_of(blockIdx.x);
+    int n = load(base, raw);
+    for (uint32_t column = blockIdx.x; column < columns; column += gridDim.x) {
+        const uint64_t next_base = base_of(column + gridDim.x);
+        const int next_n = load(next_base, next);
+
+        float local_m = -CUDART_INF_F;
+        bool nan = false;
+#pragma unroll
+        for (int k = 0; k < UNITS; ++k)
+            if (k < n)
+#pragma unroll
+                for (int w = 0; w < W; ++w) {
+                    const float v = to_float(raw[k].v[w]);
+                    local_m = fmaxf(local_m, v);
+                    nan |= isnan(v);
+                }
+        float e[KEEP_EXP ? UNITS * W : 1];
+        float s = 0.f;
+        if (local_m != -CUDART_INF_F) {
+#pragma unroll
+            for (int k = 0; k < UNITS; ++k)
+                if (k < n)
+#pragma unroll
+                    for (int w = 0; w < W; ++w) {
+                        const float ev = __expf(to_float(raw[k].v[w]) - local_m);
+                        if constexpr (KEEP_EXP) e[k * W + w] = ev;
+                        s += ev;
+                    }
+        }
+        Online acc;
+        acc.m = nan ? CUDART_NAN_F : local_m;
+        acc.s = nan ? CUDART_NAN_F : s;
+        acc = reduce_over_y(acc);
+
+        if (n > 0) {
+            // exp(x - thread max) rescaled to the group's max; zero where the thread or the
+            // whole group saw only -inf.
+            const bool masked = local_m == -CUDART_INF_F || acc.m == -CUDART_INF_F;
+            const float scale = masked ? 0.f : __expf(local_m - acc.m) / acc.s;
+            const float log_s = __logf(acc.s);
+            Cursor cur;
+            cur.seek(L, threadIdx.y);
+#pragma unroll
+            for (int k = 0; k < UNITS; ++k) {
+                if (k < n) {
+                    U out;
+#pragma unroll
+                    for (int w = 0; w < W; ++w) {
+                        const float v = to_float(raw[k].v[w]);
+                        float o;
+                        if (isnan(acc.m)) {
+                            o = CUDART_NAN_F;
+                        } else if constexpr (LOG) {
+                            // (x - m) first: exact for nearby values, so large x lose nothing.
+                            o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                        } else if constexpr (KEEP_EXP) {
+                            o = e[k * W + w] * scale;
+                        } else {
+                            o = masked ? 0.f : __expf(v - local_m) * scale;
+                        }
+                        out.v[w] = from_float<T>(o);
+                    }
+                    *reinterpret_cast<U*>(y + base + cur.offset) = out;
+                    cur.advance(L, step);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNITS; ++k) raw[k] = next[k];
+        n = next_n;
+        base = next_base;
+    }
+}
+
 }  // namespace
 
-// Every kernel in three forms: `name_<dtype>` moves one element per access; `name_vec_<dtype>`
-// a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning 4 adjacent
-// groups (launched only when the host has described the layout in such units).
+// Every kernel in up to three forms: `name_<dtype>` moves one element per access;
+// `name_vec_<dtype>` a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning
+// 4 adjacent groups (launched only when the host has described the layout in such units).
+#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 3) softmax_cached##VARIANT##SUFFIX(                    \
+        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
+        softmax_cached<T, W, false>(x, y, layout, columns);                                                \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 3) log_softmax_cached##VARIANT##SUFFIX(                \
+        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
+        softmax_cached<T, W, true>(x, y, layout, columns);                                                 \
+    }
+
 #define SOFTMAX_FORM(T, SUFFIX, VARIANT, W, LANES)                                                        \
     extern "C" __global__ void __launch_bounds__(256) softmax_fused##VARIANT##SUFFIX(                     \
         const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
@@ -363,6 +407,8 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     }
 
 #define SOFTMAX_KERNELS(T, SUFFIX)                          \
+    SOFTMAX_CACHED(T, SUFFIX, _, 1)                         \
+    SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)))      \
     SOFTMAX_FORM(T, SUFFIX, _, 1, false)                    \
     SOFTMAX_FORM(T, SUFFIX, _vec_, (16 / sizeof(T)), false) \
     SOFTMAX_FORM(T, SUFFIX, _lanes_, 4, true)
