@@ -703,9 +703,44 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
                 "matmul alone",
                 || q.matmul(&kt).map(drop),
             )?;
+            if dev.is_cuda() && dtype == DType::F32 {
+                // The opt-in TF32 mode against candle's own TF32 GEMM (reduced precision on).
+                with_tf32(|| {
+                    b.compare(
+                        OP,
+                        &format!("{case} plan tf32"),
+                        dtype,
+                        Work::Flops(flops),
+                        || {
+                            candle_fastops::masked_bmm_with_plan(
+                                &q,
+                                &kt,
+                                &mask,
+                                &plan,
+                                f64::NEG_INFINITY,
+                            )
+                            .map(drop)
+                        },
+                        "matmul + where_cond, tf32",
+                        || masked_bmm_composite(&q, &kt, &mask, &fill).map(drop),
+                    )
+                })?;
+            }
         }
     }
     Ok(())
+}
+
+/// Runs `f` with TF32 allowed in this crate's matmul kernels and in candle's f32 GEMM.
+fn with_tf32<R>(f: impl FnOnce() -> R) -> R {
+    candle_fastops::set_matmul_tf32(true);
+    #[cfg(feature = "cuda")]
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(true);
+    let r = f();
+    candle_fastops::set_matmul_tf32(false);
+    #[cfg(feature = "cuda")]
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(false);
+    r
 }
 
 /// k-means assignment as a candle user writes it: `-2 x.c^T + |c|^2`, argmin, in row chunks so
@@ -747,6 +782,29 @@ fn bench_kmeans(b: &mut Bench) -> Result<()> {
             &format!("matmul+argmin, chunks of {chunk}"),
             || kmeans_composite(&x, &centroids, chunk).map(drop),
         )?;
+        if dev.is_cuda() {
+            with_tf32(|| {
+                b.compare(
+                    OP,
+                    &format!("n={n} c={c} d={d} tf32"),
+                    DType::F32,
+                    Work::Flops(2.0 * (n * c * d) as f64),
+                    || candle_fastops::kmeans_assign(&x, &centroids).map(drop),
+                    &format!("matmul+argmin, chunks of {chunk}, tf32"),
+                    || kmeans_composite(&x, &centroids, chunk).map(drop),
+                )
+            })?;
+            let (xh, ch) = (x.to_dtype(DType::BF16)?, centroids.to_dtype(DType::BF16)?);
+            b.compare(
+                OP,
+                &format!("n={n} c={c} d={d}"),
+                DType::BF16,
+                Work::Flops(2.0 * (n * c * d) as f64),
+                || candle_fastops::kmeans_assign(&xh, &ch).map(drop),
+                &format!("matmul+argmin, chunks of {chunk}"),
+                || kmeans_composite(&xh, &ch, chunk).map(drop),
+            )?;
+        }
     }
     b.iterations = None;
     Ok(())

@@ -344,11 +344,13 @@ impl CustomOp3 for ArgminMatmul {
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
-    use crate::matmul_core::{cuda::ProblemArgs, MatView, TILE};
+    use crate::matmul_core::{
+        cuda::{core_kernel_name, ProblemArgs},
+        MatView, TILE,
+    };
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
-    use candle_core::cuda_backend::kernel_name;
     use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
 
     /// `ArgminArgs` in `src/cuda/matmul.cu`.
@@ -404,7 +406,7 @@ mod cuda {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let product = Kernel::load(dev, Module::Matmul, &kernel_name::<T>("argmin_matmul"))?;
+        let product = Kernel::load(dev, Module::Matmul, &core_kernel_name::<T>("argmin_matmul"))?;
         // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
         // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
         unsafe {

@@ -79,6 +79,7 @@ pub use bias_add::{bias_add, bias_add_};
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};
 pub use masked_bmm::{masked_bmm, masked_bmm_with_plan, MaskPlan};
+pub use matmul_core::{matmul_tf32, set_matmul_tf32};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;

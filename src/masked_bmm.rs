@@ -454,11 +454,10 @@ impl CustomOp3 for MaskedBmm {
 mod cuda {
     use super::{Dims, TILE};
     use crate::cuda::{alloc_output, Kernel, Module};
-    use crate::matmul_core::cuda::ProblemArgs;
+    use crate::matmul_core::cuda::{core_kernel_name, ProblemArgs};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
-    use candle_core::cuda_backend::kernel_name;
     use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
 
     /// `MaskArgs` in `src/cuda/matmul.cu`.
@@ -507,7 +506,7 @@ mod cuda {
             if blocks > i32::MAX as usize {
                 candle_core::bail!("masked_bmm: too many output tiles ({blocks})");
             }
-            let kernel = Kernel::load(dev, Module::Matmul, &kernel_name::<T>("masked_bmm"))?;
+            let kernel = Kernel::load(dev, Module::Matmul, &core_kernel_name::<T>("masked_bmm"))?;
             // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
             // the kernel bounds every access by the problem's sizes and strides, which come
             // from the operands' layouts.

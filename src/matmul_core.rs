@@ -5,6 +5,30 @@
 //! computes one `TILE x TILE` output tile per block.
 
 use candle_core::{bail, Layout, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static TF32: AtomicBool = AtomicBool::new(false);
+
+/// Lets the CUDA kernels of [`crate::masked_bmm`] and [`crate::argmin_matmul`] (and
+/// [`crate::kmeans_assign`]) run f32 products on tensor cores in TF32 (off by default): inputs are
+/// rounded to a 10-bit mantissa (relative error about 5e-4 per product), accumulation stays f32.
+/// Like `torch.backends.cuda.matmul.allow_tf32`, it is process-wide. f16 / bf16 inputs always use
+/// tensor cores (their values are exact in TF32, so nothing is rounded); the CPU always computes
+/// in full f32 (f64 for f64).
+///
+/// ```
+/// candle_fastops::set_matmul_tf32(true);
+/// assert!(candle_fastops::matmul_tf32());
+/// candle_fastops::set_matmul_tf32(false);
+/// ```
+pub fn set_matmul_tf32(on: bool) {
+    TF32.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_matmul_tf32`] is on.
+pub fn matmul_tf32() -> bool {
+    TF32.load(Ordering::Relaxed)
+}
 
 /// Output tile edge of the CUDA kernels, and the tile a [`crate::MaskPlan`] summarises.
 pub(crate) const TILE: usize = 128;
@@ -146,6 +170,18 @@ pub(crate) unsafe fn cpu_block_product<A: CpuGemm>(
 pub(crate) mod cuda {
     use super::MatView;
     use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+    use candle_core::cuda_backend::kernel_name;
+    use candle_core::{DType, WithDType};
+
+    /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`: the tensor-core form for
+    /// f16 / bf16, and for f32 when [`super::matmul_tf32`] is on; the FMA form otherwise.
+    pub(crate) fn core_kernel_name<T: WithDType>(base: &str) -> String {
+        if T::DTYPE == DType::F32 && !super::matmul_tf32() {
+            kernel_name::<T>(base)
+        } else {
+            kernel_name::<T>(&format!("{base}_tc"))
+        }
+    }
 
     /// How a block's threads map onto an operand tile for coalesced loads.
     const K_CONTIGUOUS: i32 = 0;

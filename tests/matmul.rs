@@ -10,22 +10,6 @@ use candle_fastops::{
 use common::*;
 use rand::Rng;
 
-/// `a . b` in f64 for row-major `a` `[batch, m, k]` and `b` `[batch, k, n]`.
-fn product(a: &[f64], b: &[f64], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut out = vec![0f64; batch * m * n];
-    for bi in 0..batch {
-        for i in 0..m {
-            for p in 0..k {
-                let x = a[(bi * m + i) * k + p];
-                for j in 0..n {
-                    out[(bi * m + i) * n + j] += x * b[(bi * k + p) * n + j];
-                }
-            }
-        }
-    }
-    out
-}
-
 #[derive(Debug, Clone, Copy)]
 enum MaskKind {
     Causal,
@@ -257,45 +241,6 @@ fn masked_bmm_bad_inputs_are_errors() -> Result<()> {
         Ok(())
     });
     Ok(())
-}
-
-/// Row-wise argmin of `scale * (a . b) + bias` in f64, ties to the lowest column; also returns
-/// each row's scores.
-fn argmin_reference(
-    a: &[f64],
-    b: &[f64],
-    bias: &[f64],
-    scale: f64,
-    (batch, m, k, n): (usize, usize, usize, usize),
-) -> Vec<Vec<f64>> {
-    let p = product(a, b, batch, m, k, n);
-    (0..batch * m)
-        .map(|r| (0..n).map(|j| scale * p[r * n + j] + bias[j]).collect())
-        .collect()
-}
-
-/// The chosen column must score within `tol` of the row's minimum (near ties may go either way
-/// between devices); when the best is separated from the runner-up by more, it must be exact.
-fn check_argmin(got: &[u32], scores: &[Vec<f64>], tol: f64, what: &str) {
-    assert_eq!(got.len(), scores.len(), "{what}: length");
-    for (r, (&j, row)) in got.iter().zip(scores).enumerate() {
-        let (best_j, best) =
-            row.iter().enumerate().fold(
-                (0, f64::INFINITY),
-                |acc, (j, &v)| if v < acc.1 { (j, v) } else { acc },
-            );
-        let spread = row.iter().fold(0f64, |m, v| m.max(v.abs())).max(1.0);
-        assert!(
-            (j as usize) < row.len(),
-            "{what}: row {r}: index {j} out of range"
-        );
-        let err = (row[j as usize] - best) / spread;
-        assert!(
-            err <= tol,
-            "{what}: row {r}: picked {j} (score {}), best {best_j} (score {best}), error {err:.2e}",
-            row[j as usize]
-        );
-    }
 }
 
 #[test]

@@ -8,7 +8,13 @@
 // k-major, with the next step's slices loaded into registers while the current one is used
 // (double buffer, one barrier per step). Each thread accumulates an 8 x 8 sub-tile in registers
 // as two 4-row and two 4-column halves 64 apart, so its shared-memory reads are float4s that do
-// not conflict. Arithmetic is f32 FMA for every input dtype (f16 / bf16 are widened on load).
+// not conflict. Arithmetic is f32 FMA (`_f32` kernels: true f32).
+//
+// The `_tc` kernels run the same tiles on tensor cores: each of the 8 warps owns a 64 x 32 part
+// of the tile as 4 x 4 mma.sync m16n8k8 TF32 products with f32 accumulation. f16 / bf16 values
+// are exact in TF32 (10-bit mantissa, 8-bit exponent), so their products are exact and only the
+// f32 accumulation order differs from the FMA kernels; f32 inputs are rounded to TF32 (cvt.rna)
+// when staged, which is the opt-in reduced-precision mode.
 //
 // Operands come with arbitrary element strides (batch, outer, k), so transposed or sliced views
 // are read in place: the loader picks, per operand, the thread mapping that makes its global
@@ -30,7 +36,9 @@ namespace {
 constexpr int TILE = 128;  // output tile edge; mirrors `TILE` in src/matmul_core.rs
 constexpr int BK = 8;
 constexpr int THREADS = 256;
-constexpr int PAD = 4;     // keeps float4 alignment and spreads the transposed stores over banks
+// Row stride of the k-major shared tiles: 132 spreads the FMA kernels' transposed stores over
+// the banks; 136 (8 mod 32) makes the mma fragment loads (4 k rows x 8 outer) conflict-free.
+template <bool TC> __host__ __device__ constexpr int smem_stride() { return TC ? TILE + 8 : TILE + 4; }
 
 enum LoadMode : int { K_CONTIGUOUS = 0, OUTER_CONTIGUOUS = 1, STRIDED = 2 };
 
@@ -68,6 +76,12 @@ template <typename H> struct Load4Half {
 template <> struct Load4<__half> : Load4Half<__half> {};
 template <> struct Load4<__nv_bfloat16> : Load4Half<__nv_bfloat16> {};
 
+__device__ __forceinline__ float to_tf32(float v) {
+    uint32_t bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
+    return __uint_as_float(bits);
+}
+
 // This thread's four elements of a TILE (outer) x BK (k) slice of one operand, staged through
 // registers into shared memory stored k-major: smem[kk][outer]. Construction places the thread
 // on its run of four; each `load` reads the next slice along k.
@@ -77,7 +91,7 @@ template <typename T> struct TileLoader {
     int64_t elem_step;  // elements between the run's four
     int64_t k_left;     // k extent left from the run's first k
     int outer_valid;    // run along outer: its elements inside the operand (0..4); else 0 or 1
-    int smem_at;        // offset of the run's first element in the k-major slice
+    int smem_k, smem_outer;  // position of the run's first element in the k-major slice
     bool along_outer;   // the run goes along outer (else along k)
     bool vectorised;
     float r[4];
@@ -99,7 +113,8 @@ template <typename T> struct TileLoader {
         ptr = base + (outer_room > 0 ? outer * op.outer_stride + kk * op.k_stride : 0);
         advance = BK * op.k_stride;
         elem_step = along_outer ? op.outer_stride : op.k_stride;
-        smem_at = kk * (TILE + PAD) + outer;
+        smem_k = kk;
+        smem_outer = outer;
         vectorised = op.vectorised != 0;
     }
 
@@ -117,38 +132,135 @@ template <typename T> struct TileLoader {
         k_left -= BK;
     }
 
-    __device__ __forceinline__ void store(float (*smem)[TILE + PAD]) const {
-        float* at = &smem[0][0] + smem_at;
+    // TF32 rounds f32 values to TF32 (round to nearest, ties away) as the mma expects.
+    template <int STRIDE, bool TF32>
+    __device__ __forceinline__ void store(float (*smem)[STRIDE]) const {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = TF32 ? to_tf32(r[i]) : r[i];
+        float* at = &smem[smem_k][smem_outer];
         if (along_outer) {
-            *reinterpret_cast<float4*>(at) = make_float4(r[0], r[1], r[2], r[3]);
+            *reinterpret_cast<float4*>(at) = make_float4(v[0], v[1], v[2], v[3]);
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) at[i * (TILE + PAD)] = r[i];
+            for (int i = 0; i < 4; ++i) at[i * STRIDE] = v[i];
         }
     }
 };
 
-// Row (or column) offset within the tile of this thread's i-th accumulator row (column).
-__device__ __forceinline__ int sub_offset(int lane16, int i) { return (i < 4 ? 0 : 64 - 4) + lane16 * 4 + i; }
+// Where this thread's accumulator acc[i][j] sits in the tile: row_of(i), col_of(j). Columns come
+// in runs of RUN adjacent ones (j = RUN * r ... RUN * r + RUN - 1), which the epilogues store
+// together.
+template <bool TC> struct AccLayout;
+// FMA kernels: an 8 x 8 sub-tile as two 4-row and two 4-column halves 64 apart.
+template <> struct AccLayout<false> {
+    static constexpr int RUN = 4;
+    int ty, tx;
+    __device__ __forceinline__ AccLayout() : ty(threadIdx.x >> 4), tx(threadIdx.x & 15) {}
+    __device__ __forceinline__ static int half(int lane16, int i) { return (i < 4 ? 0 : 64 - 4) + lane16 * 4 + i; }
+    __device__ __forceinline__ int row_of(int i) const { return half(ty, i); }
+    __device__ __forceinline__ int col_of(int j) const { return half(tx, j); }
+};
+// Tensor-core kernels: warp w owns rows 64 * (w / 4) + [0, 64) and columns 32 * (w % 4) + [0, 32)
+// as 4 x 4 m16n8 fragments; acc[2 * mi + h][2 * ni + c] is fragment (mi, ni)'s element
+// (row g + 8 h, column 2 t + c), with g = lane / 4 and t = lane % 4 (the mma C layout).
+template <> struct AccLayout<true> {
+    static constexpr int RUN = 2;
+    int row_base, col_base;
+    __device__ __forceinline__ AccLayout() {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        row_base = (warp >> 2) * 64 + (lane >> 2);
+        col_base = (warp & 3) * 32 + 2 * (lane & 3);
+    }
+    __device__ __forceinline__ int row_of(int i) const { return row_base + (i >> 1) * 16 + (i & 1) * 8; }
+    __device__ __forceinline__ int col_of(int j) const { return col_base + (j >> 1) * 8 + (j & 1); }
+};
 
-// The 8 x 8 accumulators of this thread for the tile at (row0, col0) of batch `batch`.
-template <typename T>
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One BK = 8 slice of the product from the k-major shared tiles into the accumulators.
+template <bool TC, int S>
+__device__ __forceinline__ void slice_product(const float (*As)[S], const float (*Bs)[S], float (&acc)[8][8]) {
+    if constexpr (TC) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+        uint32_t af[4][4], bf[4][2];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            const int row = m0 + mi * 16 + g;
+            af[mi][0] = __float_as_uint(As[t][row]);
+            af[mi][1] = __float_as_uint(As[t][row + 8]);
+            af[mi][2] = __float_as_uint(As[t + 4][row]);
+            af[mi][3] = __float_as_uint(As[t + 4][row + 8]);
+        }
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+            const int col = n0 + ni * 8 + g;
+            bf[ni][0] = __float_as_uint(Bs[t][col]);
+            bf[ni][1] = __float_as_uint(Bs[t + 4][col]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                float c[4] = {acc[2 * mi][2 * ni], acc[2 * mi][2 * ni + 1], acc[2 * mi + 1][2 * ni],
+                              acc[2 * mi + 1][2 * ni + 1]};
+                mma_tf32(c, af[mi], bf[ni]);
+                acc[2 * mi][2 * ni] = c[0];
+                acc[2 * mi][2 * ni + 1] = c[1];
+                acc[2 * mi + 1][2 * ni] = c[2];
+                acc[2 * mi + 1][2 * ni + 1] = c[3];
+            }
+    } else {
+        const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+#pragma unroll
+        for (int kk = 0; kk < BK; ++kk) {
+            const float4 a0 = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+            const float4 a1 = *reinterpret_cast<const float4*>(&As[kk][64 + ty * 4]);
+            const float4 b0 = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+            const float4 b1 = *reinterpret_cast<const float4*>(&Bs[kk][64 + tx * 4]);
+            const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+    }
+}
+
+// Shared memory of one block: double-buffered k-major slices of A and B.
+template <bool TC> struct Staging {
+    static constexpr int S = smem_stride<TC>();
+    float a[2][BK][S];
+    float b[2][BK][S];
+};
+
+// The accumulators (AccLayout<TC>) of this thread for the tile at (row0, col0) of batch `batch`.
+template <typename T, bool TC>
 __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const T* b, int64_t batch,
-                                             int64_t row0, int64_t col0, float (&acc)[8][8],
-                                             float (*As)[BK][TILE + PAD], float (*Bs)[BK][TILE + PAD]) {
+                                             int64_t row0, int64_t col0, float (&acc)[8][8], Staging<TC>& sm) {
+    // Tensor cores take f32 operands rounded to TF32; f16 / bf16 are already exact in TF32.
+    constexpr bool ROUND = TC && sizeof(T) == 4;
+    constexpr int S = Staging<TC>::S;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
     TileLoader<T> la(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
     TileLoader<T> lb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
-    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
     const int64_t steps = (p.k + BK - 1) / BK;
     if (steps == 0) return;
     la.load();
     lb.load();
-    la.store(As[0]);
-    lb.store(Bs[0]);
+    la.template store<S, ROUND>(sm.a[0]);
+    lb.template store<S, ROUND>(sm.b[0]);
     __syncthreads();
     for (int64_t s = 0; s < steps; ++s) {
         const int cur = s & 1;
@@ -157,22 +269,10 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
             la.load();
             lb.load();
         }
-#pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            const float4 a0 = *reinterpret_cast<const float4*>(&As[cur][kk][ty * 4]);
-            const float4 a1 = *reinterpret_cast<const float4*>(&As[cur][kk][64 + ty * 4]);
-            const float4 b0 = *reinterpret_cast<const float4*>(&Bs[cur][kk][tx * 4]);
-            const float4 b1 = *reinterpret_cast<const float4*>(&Bs[cur][kk][64 + tx * 4]);
-            const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-        }
+        slice_product<TC, S>(sm.a[cur], sm.b[cur], acc);
         if (more) {
-            la.store(As[cur ^ 1]);
-            lb.store(Bs[cur ^ 1]);
+            la.template store<S, ROUND>(sm.a[cur ^ 1]);
+            lb.template store<S, ROUND>(sm.b[cur ^ 1]);
         }
         __syncthreads();
     }
@@ -201,62 +301,66 @@ struct MaskArgs {
     float fill;
 };
 
-template <typename T>
-__device__ __forceinline__ void store_row4(T* out, int64_t col, int64_t n, const float (&v)[4], bool vec_ok) {
-    if (vec_ok && col + 4 <= n) {
-        if constexpr (sizeof(T) == 4) {
+// RUN adjacent outputs of one row; vector stores when the row starts are aligned for them.
+template <typename T, int RUN>
+__device__ __forceinline__ void store_run(T* out, int64_t col, int64_t n, const float (&v)[RUN], bool vec_ok) {
+    if (vec_ok && col + RUN <= n) {
+        if constexpr (sizeof(T) == 4 && RUN == 4) {
             *reinterpret_cast<float4*>(out + col) = make_float4(v[0], v[1], v[2], v[3]);
+        } else if constexpr (sizeof(T) == 4) {
+            *reinterpret_cast<float2*>(out + col) = make_float2(v[0], v[1]);
         } else {
-            from_float2<T>(out + col, v[0], v[1]);
-            from_float2<T>(out + col + 2, v[2], v[3]);
+#pragma unroll
+            for (int j = 0; j < RUN; j += 2) from_float2<T>(out + col + j, v[j], v[j + 1]);
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < RUN; ++j)
             if (col + j < n) out[col + j] = from_float<T>(v[j]);
     }
 }
 
-template <typename T>
+template <typename T, bool TC>
 __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
                                            const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
                                            T* __restrict__ out, Problem p, MaskArgs mk) {
-    __shared__ __align__(16) float As[2][BK][TILE + PAD];
-    __shared__ __align__(16) float Bs[2][BK][TILE + PAD];
+    __shared__ __align__(16) Staging<TC> sm;
+    using Layout = AccLayout<TC>;
+    constexpr int RUN = Layout::RUN;
+    const Layout at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
     const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
     const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
     const uint8_t state = plan[tile.batch * mk.plan_batch_stride + tile.row_tile * col_tiles + tile.col_group];
-    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
     T* out_b = out + tile.batch * p.m * p.n;
-    // Vector stores need every row start aligned: n a multiple of 4 (f32 float4, halves 2 x 4 bytes).
-    const bool vec_ok = (p.n & 3) == 0;
+    // Vector stores need every row start aligned: n a multiple of RUN.
+    const bool vec_ok = (p.n % RUN) == 0;
 
     float acc[8][8];
     if (state != EMPTY) {
-        tile_product(p, a, b, tile.batch, row0, col0, acc, As, Bs);
+        tile_product<T, TC>(p, a, b, tile.batch, row0, col0, acc, sm);
     }
     const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        const int64_t row = row0 + sub_offset(ty, i);
+        const int64_t row = row0 + at.row_of(i);
         if (row >= p.m) continue;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int64_t col = col0 + half * 64 + tx * 4;
-            float v[4];
+        for (int r = 0; r < 8 / RUN; ++r) {
+            const int64_t col = col0 + at.col_of(r * RUN);
+            float v[RUN];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < RUN; ++j) {
                 if (state == EMPTY) {
                     v[j] = mk.fill;
                 } else if (state == FULL) {
-                    v[j] = acc[i][half * 4 + j];
+                    v[j] = acc[i][r * RUN + j];
                 } else {
                     const bool keep = col + j < p.n && mask_b[row * p.n + col + j] != 0;
-                    v[j] = keep ? acc[i][half * 4 + j] : mk.fill;
+                    v[j] = keep ? acc[i][r * RUN + j] : mk.fill;
                 }
             }
-            store_row4(out_b + row * p.n, col, p.n, v, vec_ok);
+            store_run<T, RUN>(out_b + row * p.n, col, p.n, v, vec_ok);
         }
     }
 }
@@ -282,16 +386,15 @@ struct ArgminArgs {
     float scale;
 };
 
-template <typename T>
+template <typename T, bool TC>
 __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,
                                               const float* __restrict__ bias, unsigned long long* __restrict__ keys,
                                               Problem p, ArgminArgs am) {
-    __shared__ __align__(16) float As[2][BK][TILE + PAD];
-    __shared__ __align__(16) float Bs[2][BK][TILE + PAD];
+    __shared__ __align__(16) Staging<TC> sm;
+    const AccLayout<TC> at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
     const int64_t row0 = tile.row_tile * TILE;
-    const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
 
     unsigned long long best[8];
 #pragma unroll
@@ -299,10 +402,10 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     float acc[8][8];
     for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
         const int64_t col0 = ct * TILE;
-        tile_product(p, a, b, tile.batch, row0, col0, acc, As, Bs);
+        tile_product<T, TC>(p, a, b, tile.batch, row0, col0, acc, sm);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int64_t col = col0 + sub_offset(tx, j);
+            const int64_t col = col0 + at.col_of(j);
             if (col >= p.n) continue;
             const float cb = bias[col];
 #pragma unroll
@@ -314,17 +417,20 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
             }
         }
     }
-    // The 16 threads of a row group are the 16 lanes of one half-warp.
+    // Threads holding the same rows: the 16 lanes of a half-warp (FMA layout), or the 4 lanes
+    // with the same lane / 4 (mma layout; the 4 warps of a row band meet in the atomics).
+    constexpr int FIRST_OFFSET = TC ? 2 : 8;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
 #pragma unroll
-        for (int off = 8; off > 0; off >>= 1) best[i] = min_key(best[i], __shfl_xor_sync(0xffffffffu, best[i], off));
+        for (int off = FIRST_OFFSET; off > 0; off >>= 1)
+            best[i] = min_key(best[i], __shfl_xor_sync(0xffffffffu, best[i], off));
     }
-    if (tx == 0) {
+    if ((threadIdx.x & (2 * FIRST_OFFSET - 1)) == 0) {
         unsigned long long* keys_b = keys + tile.batch * p.m;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const int64_t row = row0 + sub_offset(ty, i);
+            const int64_t row = row0 + at.row_of(i);
             if (row < p.m && best[i] != ~0ull) atomicMin(keys_b + row, best[i]);
         }
     }
@@ -341,16 +447,20 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
     }
 }
 
-#define MATMUL_KERNELS(T, SUFFIX)                                                                          \
+// `name_f32`: f32 FMA; `name_tc_<dtype>`: tensor cores (TF32-rounded f32, exact f16 / bf16).
+#define MATMUL_KERNELS(T, SUFFIX, VARIANT, TC)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
-        masked_bmm_##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan, T* out,      \
-                            Problem p, MaskArgs mk) {                                                      \
-        masked_bmm<T>(a, b, mask, plan, out, p, mk);                                                       \
+        masked_bmm##VARIANT##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan,     \
+                                    T* out, Problem p, MaskArgs mk) {                                      \
+        masked_bmm<T, TC>(a, b, mask, plan, out, p, mk);                                                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
-        argmin_matmul_##SUFFIX(const T* a, const T* b, const float* bias, unsigned long long* keys,        \
-                               Problem p, ArgminArgs am) {                                                 \
-        argmin_matmul<T>(a, b, bias, keys, p, am);                                                         \
+        argmin_matmul##VARIANT##SUFFIX(const T* a, const T* b, const float* bias,                          \
+                                       unsigned long long* keys, Problem p, ArgminArgs am) {               \
+        argmin_matmul<T, TC>(a, b, bias, keys, p, am);                                                     \
     }
 
-FASTOPS_FLOAT_KERNELS(MATMUL_KERNELS)
+MATMUL_KERNELS(float, f32, _, false)
+MATMUL_KERNELS(float, f32, _tc_, true)
+MATMUL_KERNELS(__half, f16, _tc_, true)
+MATMUL_KERNELS(__nv_bfloat16, bf16, _tc_, true)

@@ -78,7 +78,11 @@ impl Kernel {
 
     /// How many blocks of `threads` threads and `shared_mem_bytes` of dynamic shared memory fit
     /// on one multiprocessor at once (registers, shared memory and thread limits), at least 1.
-    pub(crate) fn resident_blocks_per_sm(&self, threads: u32, shared_mem_bytes: usize) -> Result<u32> {
+    pub(crate) fn resident_blocks_per_sm(
+        &self,
+        threads: u32,
+        shared_mem_bytes: usize,
+    ) -> Result<u32> {
         let blocks = self
             .func
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared_mem_bytes, None)
@@ -94,11 +98,9 @@ pub(crate) fn tuning(name: &'static str) -> Option<u32> {
     use std::sync::{Mutex, OnceLock};
     static VALUES: OnceLock<Mutex<HashMap<&'static str, Option<u32>>>> = OnceLock::new();
     let mut values = VALUES.get_or_init(Default::default).lock().ok()?;
-    *values.entry(name).or_insert_with(|| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-    })
+    *values
+        .entry(name)
+        .or_insert_with(|| std::env::var(name).ok().and_then(|v| v.parse().ok()))
 }
 
 /// Allocates an output buffer the kernel is expected to overwrite completely.
