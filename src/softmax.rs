@@ -512,11 +512,14 @@ mod cuda {
                 &kernel_name::<T>(&format!("{prefix}_cached{variant}")),
             )?;
             let columns = group_units.div_ceil(lx);
-            let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)?;
+            // Rows: one resident wave that walks the columns (prefetching). Column-like groups:
+            // a block per column, which measured faster there (H200, dims [0] of
+            // [32, 1024, 4096]: see BENCHMARKS.md). FASTOPS_SOFTMAX_BLOCKS_PER_SM overrides.
+            let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;
             let per_sm = tuning("FASTOPS_SOFTMAX_BLOCKS_PER_SM")
                 .filter(|&b| b > 0)
-                .map_or(resident, |b| b.min(resident));
-            let blocks = columns.min(per_sm as usize * sm_count(dev)? as usize);
+                .map_or(if lanes == 1 { resident } else { usize::MAX }, |b| b as usize);
+            let blocks = columns.min(per_sm.saturating_mul(sm_count(dev)? as usize));
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (lx as u32, ly as u32, 1),

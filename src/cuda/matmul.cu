@@ -85,16 +85,18 @@ __device__ __forceinline__ float to_tf32(float v) {
 // This thread's four elements of a TILE (outer) x BK (k) slice of one operand, staged through
 // registers into shared memory stored k-major: smem[kk][outer]. Construction places the thread
 // on its run of four; each `load` reads the next slice along k.
-template <typename T> struct TileLoader {
+// RUNS > 1 loads RUNS such slices BK apart along k per call (a stage of RUNS * BK).
+template <typename T, int RUNS> struct TileLoader {
     const T* ptr;       // the run's first element in the current slice
-    int64_t advance;    // elements from one slice to the next (BK along k)
+    int64_t advance;    // elements from one stage to the next (RUNS * BK along k)
+    int64_t run_step;   // elements from one run of the stage to the next (BK along k)
     int64_t elem_step;  // elements between the run's four
     int64_t k_left;     // k extent left from the run's first k
     int outer_valid;    // run along outer: its elements inside the operand (0..4); else 0 or 1
     int smem_k, smem_outer;  // position of the run's first element in the k-major slice
     bool along_outer;   // the run goes along outer (else along k)
     bool vectorised;
-    float r[4];
+    float r[RUNS][4];
 
     __device__ __forceinline__ TileLoader(const T* base, const Operand& op, int64_t outer_len, int64_t k_len) {
         const int t = threadIdx.x;
@@ -111,7 +113,8 @@ template <typename T> struct TileLoader {
                                   : (outer_room > 0 ? 1 : 0);
         k_left = k_len - kk;
         ptr = base + (outer_room > 0 ? outer * op.outer_stride + kk * op.k_stride : 0);
-        advance = BK * op.k_stride;
+        advance = RUNS * BK * op.k_stride;
+        run_step = BK * op.k_stride;
         elem_step = along_outer ? op.outer_stride : op.k_stride;
         smem_k = kk;
         smem_outer = outer;
@@ -119,31 +122,39 @@ template <typename T> struct TileLoader {
     }
 
     __device__ __forceinline__ void load() {
-        int valid;
-        if (along_outer) valid = k_left > 0 ? outer_valid : 0;
-        else valid = outer_valid ? static_cast<int>(max(int64_t(0), min(k_left, int64_t(4)))) : 0;
-        if (vectorised && valid == 4) {
-            Load4<T>::run(ptr, r);
-        } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) r[i] = i < valid ? to_float(ptr[i * elem_step]) : 0.f;
+        for (int q = 0; q < RUNS; ++q) {
+            const int64_t kl = k_left - q * BK;
+            const T* p = ptr + q * run_step;
+            int valid;
+            if (along_outer) valid = kl > 0 ? outer_valid : 0;
+            else valid = outer_valid ? static_cast<int>(max(int64_t(0), min(kl, int64_t(4)))) : 0;
+            if (vectorised && valid == 4) {
+                Load4<T>::run(p, r[q]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) r[q][i] = i < valid ? to_float(p[i * elem_step]) : 0.f;
+            }
         }
         ptr += advance;
-        k_left -= BK;
+        k_left -= RUNS * BK;
     }
 
     // TF32 rounds f32 values to TF32 (round to nearest, ties away) as the mma expects.
     template <int STRIDE, bool TF32>
     __device__ __forceinline__ void store(float (*smem)[STRIDE]) const {
-        float v[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = TF32 ? to_tf32(r[i]) : r[i];
-        float* at = &smem[smem_k][smem_outer];
-        if (along_outer) {
-            *reinterpret_cast<float4*>(at) = make_float4(v[0], v[1], v[2], v[3]);
-        } else {
+        for (int q = 0; q < RUNS; ++q) {
+            float v[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) at[i * STRIDE] = v[i];
+            for (int i = 0; i < 4; ++i) v[i] = TF32 ? to_tf32(r[q][i]) : r[q][i];
+            float* at = &smem[smem_k + q * BK][smem_outer];
+            if (along_outer) {
+                *reinterpret_cast<float4*>(at) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) at[i * STRIDE] = v[i];
+            }
         }
     }
 };
@@ -184,26 +195,32 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// One BK = 8 slice of the product from the k-major shared tiles into the accumulators.
+// Stage depth along k: the tensor-core kernels do 8x less work per k than the FMA kernels, so
+// they stage 16 per barrier (two mma k-steps) to keep global loads covered.
+template <bool TC> __host__ __device__ constexpr int stage_k() { return TC ? 2 * BK : BK; }
+
+// One stage of the product from the k-major shared tiles into the accumulators.
 template <bool TC, int S>
 __device__ __forceinline__ void slice_product(const float (*As)[S], const float (*Bs)[S], float (&acc)[8][8]) {
     if constexpr (TC) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+#pragma unroll
+        for (int k0 = 0; k0 < stage_k<TC>(); k0 += BK) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
             const int row = m0 + mi * 16 + g;
-            af[mi][0] = __float_as_uint(As[t][row]);
-            af[mi][1] = __float_as_uint(As[t][row + 8]);
-            af[mi][2] = __float_as_uint(As[t + 4][row]);
-            af[mi][3] = __float_as_uint(As[t + 4][row + 8]);
+            af[mi][0] = __float_as_uint(As[k0 + t][row]);
+            af[mi][1] = __float_as_uint(As[k0 + t][row + 8]);
+            af[mi][2] = __float_as_uint(As[k0 + t + 4][row]);
+            af[mi][3] = __float_as_uint(As[k0 + t + 4][row + 8]);
         }
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
             const int col = n0 + ni * 8 + g;
-            bf[ni][0] = __float_as_uint(Bs[t][col]);
-            bf[ni][1] = __float_as_uint(Bs[t + 4][col]);
+            bf[ni][0] = __float_as_uint(Bs[k0 + t][col]);
+            bf[ni][1] = __float_as_uint(Bs[k0 + t + 4][col]);
         }
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi)
@@ -217,6 +234,7 @@ __device__ __forceinline__ void slice_product(const float (*As)[S], const float 
                 acc[2 * mi + 1][2 * ni] = c[2];
                 acc[2 * mi + 1][2 * ni + 1] = c[3];
             }
+        }
     } else {
         const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
 #pragma unroll
@@ -238,8 +256,8 @@ __device__ __forceinline__ void slice_product(const float (*As)[S], const float 
 // Shared memory of one block: double-buffered k-major slices of A and B.
 template <bool TC> struct Staging {
     static constexpr int S = smem_stride<TC>();
-    float a[2][BK][S];
-    float b[2][BK][S];
+    float a[2][stage_k<TC>()][S];
+    float b[2][stage_k<TC>()][S];
 };
 
 // The accumulators (AccLayout<TC>) of this thread for the tile at (row0, col0) of batch `batch`.
@@ -253,9 +271,10 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-    TileLoader<T> la(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
-    TileLoader<T> lb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
-    const int64_t steps = (p.k + BK - 1) / BK;
+    constexpr int RUNS = stage_k<TC>() / BK;
+    TileLoader<T, RUNS> la(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
+    TileLoader<T, RUNS> lb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
+    const int64_t steps = (p.k + stage_k<TC>() - 1) / stage_k<TC>();
     if (steps == 0) return;
     la.load();
     lb.load();
@@ -396,9 +415,15 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
     const int64_t row0 = tile.row_tile * TILE;
 
-    unsigned long long best[8];
+    // Per row: the smallest ordered score seen and its column. A thread meets its columns in
+    // increasing order (j, then tiles), so a strict < keeps the lowest column of a tie; the
+    // 64-bit key is built once per row, not per score.
+    uint32_t best_bits[8], best_col[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) best[i] = ~0ull;
+    for (int i = 0; i < 8; ++i) {
+        best_bits[i] = ~0u;
+        best_col[i] = ~0u;
+    }
     float acc[8][8];
     for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
         const int64_t col0 = ct * TILE;
@@ -410,13 +435,18 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
             const float cb = bias[col];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const unsigned long long key =
-                    (static_cast<unsigned long long>(ordered_bits(fmaf(am.scale, acc[i][j], cb))) << 32) |
-                    static_cast<unsigned long long>(col);
-                best[i] = min_key(best[i], key);
+                const uint32_t bits = ordered_bits(fmaf(am.scale, acc[i][j], cb));
+                if (bits < best_bits[i] || best_col[i] == ~0u) {
+                    best_bits[i] = bits;
+                    best_col[i] = static_cast<uint32_t>(col);
+                }
             }
         }
     }
+    unsigned long long best[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        best[i] = (static_cast<unsigned long long>(best_bits[i]) << 32) | static_cast<unsigned long long>(best_col[i]);
     // Threads holding the same rows: the 16 lanes of a half-warp (FMA layout), or the 4 lanes
     // with the same lane / 4 (mma layout; the 4 warps of a row band meet in the atomics).
     constexpr int FIRST_OFFSET = TC ? 2 : 8;

@@ -276,9 +276,6 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                                uint32_t columns) {
     using U = Unit<T, W>;
     constexpr int UNITS = cached_units<W>();
-    // exp(x - thread max) is kept for the write when it costs no extra registers (f32); half
-    // types recompute it rather than double their register footprint.
-    constexpr bool KEEP_EXP = !LOG && sizeof(T) == 4;
     const uint32_t step = blockDim.y;
     const bool has_elements = threadIdx.y < L.group_size;
     auto base_of = [&](uint32_t column) -> uint64_t {
@@ -309,18 +306,15 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                     local_m = fmaxf(local_m, v);
                     nan |= isnan(v);
                 }
-        float e[KEEP_EXP ? UNITS * W : 1];
+        // exp is recomputed for the write rather than kept: keeping it costs 16 registers, and
+        // registers decide how many blocks (so how many loads) an SM keeps in flight.
         float s = 0.f;
         if (local_m != -CUDART_INF_F) {
 #pragma unroll
             for (int k = 0; k < UNITS; ++k)
                 if (k < n)
 #pragma unroll
-                    for (int w = 0; w < W; ++w) {
-                        const float ev = __expf(to_float(raw[k].v[w]) - local_m);
-                        if constexpr (KEEP_EXP) e[k * W + w] = ev;
-                        s += ev;
-                    }
+                    for (int w = 0; w < W; ++w) s += __expf(to_float(raw[k].v[w]) - local_m);
         }
         Online acc;
         acc.m = nan ? CUDART_NAN_F : local_m;
@@ -348,8 +342,6 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                         } else if constexpr (LOG) {
                             // (x - m) first: exact for nearby values, so large x lose nothing.
                             o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
-                        } else if constexpr (KEEP_EXP) {
-                            o = e[k * W + w] * scale;
                         } else {
                             o = masked ? 0.f : __expf(v - local_m) * scale;
                         }
@@ -372,12 +364,14 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
 // Every kernel in up to three forms: `name_<dtype>` moves one element per access;
 // `name_vec_<dtype>` a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning
 // 4 adjacent groups (launched only when the host has described the layout in such units).
-#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 3) softmax_cached##VARIANT##SUFFIX(                    \
+// MIN_BLOCKS: 4 resident blocks of 256 (64 registers) where that does not spill; half-type
+// vectors unpack 32 values per thread and get 3.
+#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W, MIN_BLOCKS)                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) softmax_cached##VARIANT##SUFFIX(                    \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, false>(x, y, layout, columns);                                                \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 3) log_softmax_cached##VARIANT##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) log_softmax_cached##VARIANT##SUFFIX(                \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, true>(x, y, layout, columns);                                                 \
     }
@@ -407,8 +401,8 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
     }
 
 #define SOFTMAX_KERNELS(T, SUFFIX)                          \
-    SOFTMAX_CACHED(T, SUFFIX, _, 1)                         \
-    SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)))      \
+    SOFTMAX_CACHED(T, SUFFIX, _, 1, 4)                      \
+    SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)), (sizeof(T) == 4 ? 4 : 3)) \
     SOFTMAX_FORM(T, SUFFIX, _, 1, false)                    \
     SOFTMAX_FORM(T, SUFFIX, _vec_, (16 / sizeof(T)), false) \
     SOFTMAX_FORM(T, SUFFIX, _lanes_, 4, true)
