@@ -506,20 +506,25 @@ mod cuda {
         let lx = THREADS / ly;
         if form != Form::Lanes && size <= per_thread * ly {
             // One read: persistent blocks, as many as fit on the device, walk the columns.
+            // Rows: one resident wave that walks the columns, prefetching
+            // (FASTOPS_SOFTMAX_BLOCKS_PER_SM overrides its size). Column-like groups: a block per
+            // column, which measured faster there (H200, dims [0] of [32, 1024, 4096]: see
+            // BENCHMARKS.md).
+            let walk = if lanes == 1 { "rows" } else { "cols" };
             let kernel = Kernel::load(
                 dev,
                 Module::Softmax,
-                &kernel_name::<T>(&format!("{prefix}_cached{variant}")),
+                &kernel_name::<T>(&format!("{prefix}_cached_{walk}{variant}")),
             )?;
             let columns = group_units.div_ceil(lx);
-            // Rows: one resident wave that walks the columns (prefetching). Column-like groups:
-            // a block per column, which measured faster there (H200, dims [0] of
-            // [32, 1024, 4096]: see BENCHMARKS.md). FASTOPS_SOFTMAX_BLOCKS_PER_SM overrides.
-            let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;
-            let per_sm = tuning("FASTOPS_SOFTMAX_BLOCKS_PER_SM")
-                .filter(|&b| b > 0)
-                .map_or(if lanes == 1 { resident } else { usize::MAX }, |b| b as usize);
-            let blocks = columns.min(per_sm.saturating_mul(sm_count(dev)? as usize));
+            let blocks = if lanes == 1 {
+                let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;
+                let per_sm =
+                    tuning("FASTOPS_SOFTMAX_BLOCKS_PER_SM").map_or(resident, |b| b as usize);
+                columns.min(per_sm.max(1) * sm_count(dev)? as usize)
+            } else {
+                columns
+            };
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (lx as u32, ly as u32, 1),

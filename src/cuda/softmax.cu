@@ -268,14 +268,19 @@ template <int W> __host__ __device__ constexpr int cached_units() { return W == 
 
 // Groups of at most cached_units<W>() * blockDim.y units (row-like groups in 16-byte vectors,
 // W > 1, or any group one element at a time), one read and one write per element. Block b
-// handles the columns of blockDim.x groups b, b + gridDim.x, ...; the loads of the next column
-// are issued before the current one is reduced, so the block's loads stay in flight across the
-// reduction's barriers (a block that loads, reduces, then writes leaves HBM idle meanwhile).
-template <typename T, int W, bool LOG>
+// handles the columns of blockDim.x groups b, b + gridDim.x, ...
+// PREFETCH (rows, launched as one resident wave): the loads of the next column are issued
+// before the current one is reduced, so the block's loads stay in flight across the reduction's
+// barriers. Without it (column-like groups, launched with a block per column) the kernel needs
+// fewer registers and more blocks fit per SM, which measured faster there.
+template <typename T, int W, bool LOG, bool PREFETCH>
 __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const ReduceLayout& L,
                                uint32_t columns) {
     using U = Unit<T, W>;
     constexpr int UNITS = cached_units<W>();
+    // exp(x - thread max) is kept for the write when that costs no extra resident blocks
+    // (f32 rows); otherwise it is recomputed.
+    constexpr bool KEEP_EXP = PREFETCH && !LOG && sizeof(T) == 4;
     const uint32_t step = blockDim.y;
     const bool has_elements = threadIdx.y < L.group_size;
     auto base_of = [&](uint32_t column) -> uint64_t {
@@ -288,12 +293,13 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
         cur.seek(L, threadIdx.y);
         return load_batch<UNITS>(x + base, L, cur, L.group_size, step, dst);
     };
-    U raw[UNITS], next[UNITS];
+    U raw[UNITS], next[PREFETCH ? UNITS : 1];
     uint64_t base = base_of(blockIdx.x);
     int n = load(base, raw);
     for (uint32_t column = blockIdx.x; column < columns; column += gridDim.x) {
         const uint64_t next_base = base_of(column + gridDim.x);
-        const int next_n = load(next_base, next);
+        int next_n = 0;
+        if constexpr (PREFETCH) next_n = load(next_base, next);
 
         float local_m = -CUDART_INF_F;
         bool nan = false;
@@ -306,15 +312,18 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                     local_m = fmaxf(local_m, v);
                     nan |= isnan(v);
                 }
-        // exp is recomputed for the write rather than kept: keeping it costs 16 registers, and
-        // registers decide how many blocks (so how many loads) an SM keeps in flight.
+        float e[KEEP_EXP ? UNITS * W : 1];
         float s = 0.f;
         if (local_m != -CUDART_INF_F) {
 #pragma unroll
             for (int k = 0; k < UNITS; ++k)
                 if (k < n)
 #pragma unroll
-                    for (int w = 0; w < W; ++w) s += __expf(to_float(raw[k].v[w]) - local_m);
+                    for (int w = 0; w < W; ++w) {
+                        const float ev = __expf(to_float(raw[k].v[w]) - local_m);
+                        if constexpr (KEEP_EXP) e[k * W + w] = ev;
+                        s += ev;
+                    }
         }
         Online acc;
         acc.m = nan ? CUDART_NAN_F : local_m;
@@ -342,8 +351,12 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                         } else if constexpr (LOG) {
                             // (x - m) first: exact for nearby values, so large x lose nothing.
                             o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                        } else if (masked) {
+                            o = 0.f;  // (e was not computed)
+                        } else if constexpr (KEEP_EXP) {
+                            o = e[k * W + w] * scale;
                         } else {
-                            o = masked ? 0.f : __expf(v - local_m) * scale;
+                            o = __expf(v - local_m) * scale;
                         }
                         out.v[w] = from_float<T>(o);
                     }
@@ -352,9 +365,13 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
                 }
             }
         }
+        if constexpr (PREFETCH) {
 #pragma unroll
-        for (int k = 0; k < UNITS; ++k) raw[k] = next[k];
-        n = next_n;
+            for (int k = 0; k < UNITS; ++k) raw[k] = next[k];
+            n = next_n;
+        } else {
+            break;  // launched with a block per column
+        }
         base = next_base;
     }
 }
@@ -364,16 +381,24 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
 // Every kernel in up to three forms: `name_<dtype>` moves one element per access;
 // `name_vec_<dtype>` a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning
 // 4 adjacent groups (launched only when the host has described the layout in such units).
-// MIN_BLOCKS: 4 resident blocks of 256 (64 registers) where that does not spill; half-type
-// vectors unpack 32 values per thread and get 3.
-#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W, MIN_BLOCKS)                                                 \
-    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) softmax_cached##VARIANT##SUFFIX(                    \
+// `_rows` (prefetching, one resident wave; 3 blocks of 256 per SM) and `_cols` (a block per
+// column) forms of the one-read kernel.
+#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 3) softmax_cached_rows##VARIANT##SUFFIX(             \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, false>(x, y, layout, columns);                                                \
+        softmax_cached<T, W, false, true>(x, y, layout, columns);                                          \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) log_softmax_cached##VARIANT##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(256, 3) log_softmax_cached_rows##VARIANT##SUFFIX(         \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, true>(x, y, layout, columns);                                                 \
+        softmax_cached<T, W, true, true>(x, y, layout, columns);                                           \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 5) softmax_cached_cols##VARIANT##SUFFIX(              \
+        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
+        softmax_cached<T, W, false, false>(x, y, layout, columns);                                         \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 5) log_softmax_cached_cols##VARIANT##SUFFIX(          \
+        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
+        softmax_cached<T, W, true, false>(x, y, layout, columns);                                          \
     }
 
 #define SOFTMAX_FORM(T, SUFFIX, VARIANT, W, LANES)                                                        \
@@ -401,8 +426,8 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
     }
 
 #define SOFTMAX_KERNELS(T, SUFFIX)                          \
-    SOFTMAX_CACHED(T, SUFFIX, _, 1, 4)                      \
-    SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)), (sizeof(T) == 4 ? 4 : 3)) \
+    SOFTMAX_CACHED(T, SUFFIX, _, 1)                         \
+    SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)))      \
     SOFTMAX_FORM(T, SUFFIX, _, 1, false)                    \
     SOFTMAX_FORM(T, SUFFIX, _vec_, (16 / sizeof(T)), false) \
     SOFTMAX_FORM(T, SUFFIX, _lanes_, 4, true)
