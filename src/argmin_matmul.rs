@@ -23,8 +23,8 @@ const OP: &str = "argmin_matmul";
 ///   score counts as larger than every number (a row of NaN scores gets index 0).
 /// * `b` may be a transposed view (`centroids.t()`): read in place, never copied. Leading dims
 ///   of `a` that do not collapse into one stride are copied.
-/// * dtypes: f32, f16, bf16 (products accumulated in f32, on CUDA cores: no TF32), f64 on the
-///   CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
+/// * dtypes: f32 (true f32 FMAs, or TF32 tensor cores after [`crate::set_matmul_tf32`]), f16 and
+///   bf16 (tensor cores, exact products, f32 accumulation), f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
 /// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`.
 ///
 /// ```

@@ -99,8 +99,10 @@ impl MaskPlan {
 ///   the batch); the result is `[batch, m, n]` in the dtype of `a` and `b`.
 /// * Any layout: transposed or sliced `a` and `b` are read in place (on CUDA with vector loads
 ///   when aligned); a mask whose rows are not contiguous is copied.
-/// * Precision: true f32 arithmetic for f32 (no TF32), f16 and bf16 products accumulate in f32
-///   (on CUDA cores, widened on load), f64 in f64 on the CPU. f64 is CPU-only.
+/// * Precision: f32 runs true f32 FMAs by default, or TF32 tensor cores after
+///   [`crate::set_matmul_tf32`]`(true)` (inputs rounded to 10 mantissa bits, f32 accumulation).
+///   f16 and bf16 run on tensor cores with exact products (their values are exact in TF32) and
+///   f32 accumulation. f64 in f64, CPU only. The CPU computes f16/bf16 in f32 and ignores TF32.
 /// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)`, composed from candle
 ///   ops (they do not skip empty tiles).
 ///
