@@ -8,6 +8,7 @@
 //! run in. Extra device memory is 8 bytes per row. On the CPU each task multiplies a block of
 //! rows by a block of columns into a small buffer and scans it.
 
+use crate::dispatch::check_float_operands;
 use crate::matmul_core::{cpu_block_product, CpuGemm, MatView};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -151,32 +152,7 @@ fn check_args(a: &Tensor, b: &Tensor, col_bias: Option<&Tensor>) -> Result<()> {
     if n > u32::MAX as usize {
         bail!("{OP}: {n} columns do not fit u32 indices");
     }
-    if a.dtype() != b.dtype() {
-        bail!(
-            "{OP}: dtype mismatch, a is {:?} but b is {:?}",
-            a.dtype(),
-            b.dtype()
-        );
-    }
-    if !matches!(
-        a.dtype(),
-        DType::F32 | DType::F16 | DType::BF16 | DType::F64
-    ) {
-        bail!(
-            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
-            a.dtype()
-        );
-    }
-    if !a.device().same_device(b.device()) {
-        bail!(
-            "{OP}: device mismatch, a is on {:?} but b is on {:?}",
-            a.device().location(),
-            b.device().location()
-        );
-    }
-    if a.device().is_cuda() && a.dtype() == DType::F64 {
-        bail!("{OP}: f64 is supported on the CPU only");
-    }
+    check_float_operands(OP, ("a", a), &[("b", b)], &[])?;
     if let Some(bias) = col_bias {
         if bias.dims() != [n] {
             bail!(

@@ -6,9 +6,9 @@
 //! bias in shared memory, the CPU path adds contiguous runs in parallel with rayon.
 
 use crate::cpu::{output_vec, spare};
-use crate::dispatch::with_float_cpu;
+use crate::dispatch::{check_float_operands, with_float_cpu};
 use candle_core::{
-    bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
+    bail, CpuStorage, CustomOp2, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 use std::ops::Range;
@@ -117,33 +117,7 @@ fn check_args(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
             xs.dims()
         );
     }
-    if xs.dtype() != bias.dtype() {
-        bail!(
-            "{OP}: dtype mismatch, xs is {:?} but bias is {:?}",
-            xs.dtype(),
-            bias.dtype()
-        );
-    }
-    if !matches!(
-        xs.dtype(),
-        DType::F32 | DType::F16 | DType::BF16 | DType::F64
-    ) {
-        bail!(
-            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
-            xs.dtype()
-        );
-    }
-    if !xs.device().same_device(bias.device()) {
-        bail!(
-            "{OP}: device mismatch, xs is on {:?} but bias is on {:?}",
-            xs.device().location(),
-            bias.device().location()
-        );
-    }
-    if xs.device().is_cuda() && xs.dtype() == DType::F64 {
-        bail!("{OP}: f64 is supported on the CPU only");
-    }
-    Ok(())
+    check_float_operands(OP, ("xs", xs), &[("bias", bias)], &[])
 }
 
 /// Where the elements of a dense tensor sit and which channel each has: the element at storage

@@ -42,3 +42,47 @@ macro_rules! with_float_cuda {
 }
 #[cfg(feature = "cuda")]
 pub(crate) use with_float_cuda;
+
+/// The operand checks every float op makes, written once: `main`'s dtype is f32, f16, bf16 or f64
+/// (f64 on the CPU only), each of `same_dtype` has `main`'s dtype, and each of `same_dtype` and
+/// `same_device` sits on `main`'s device. Operands are `(name, tensor)`, named in the errors.
+pub(crate) fn check_float_operands(
+    op: &str,
+    main: (&str, &candle_core::Tensor),
+    same_dtype: &[(&str, &candle_core::Tensor)],
+    same_device: &[(&str, &candle_core::Tensor)],
+) -> candle_core::Result<()> {
+    use candle_core::{bail, DType};
+    let (main_name, t) = main;
+    for (name, other) in same_dtype {
+        if other.dtype() != t.dtype() {
+            bail!(
+                "{op}: dtype mismatch, {main_name} is {:?} but {name} is {:?}",
+                t.dtype(),
+                other.dtype()
+            );
+        }
+    }
+    if !matches!(
+        t.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        bail!(
+            "{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            t.dtype()
+        );
+    }
+    for (name, other) in same_dtype.iter().chain(same_device) {
+        if !t.device().same_device(other.device()) {
+            bail!(
+                "{op}: device mismatch, {main_name} is on {:?} but {name} is on {:?}",
+                t.device().location(),
+                other.device().location()
+            );
+        }
+    }
+    if t.device().is_cuda() && t.dtype() == DType::F64 {
+        bail!("{op}: f64 is supported on the CPU only");
+    }
+    Ok(())
+}

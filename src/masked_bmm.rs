@@ -6,6 +6,7 @@
 //! `fill` and do no loads or math, full tiles never read the mask, partial tiles read it. The
 //! product itself is the core in `src/matmul_core.rs` / `src/cuda/matmul.cu`.
 
+use crate::dispatch::check_float_operands;
 use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -214,35 +215,7 @@ fn check_args(a: &Tensor, b: &Tensor, mask: &Tensor) -> Result<()> {
             mask.dims()
         );
     }
-    if a.dtype() != b.dtype() {
-        bail!(
-            "{OP}: dtype mismatch, a is {:?} but b is {:?}",
-            a.dtype(),
-            b.dtype()
-        );
-    }
-    if !matches!(
-        a.dtype(),
-        DType::F32 | DType::F16 | DType::BF16 | DType::F64
-    ) {
-        bail!(
-            "{OP}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
-            a.dtype()
-        );
-    }
-    for (name, t) in [("b", b), ("mask", mask)] {
-        if !a.device().same_device(t.device()) {
-            bail!(
-                "{OP}: device mismatch, a is on {:?} but {name} is on {:?}",
-                a.device().location(),
-                t.device().location()
-            );
-        }
-    }
-    if a.device().is_cuda() && a.dtype() == DType::F64 {
-        bail!("{OP}: f64 is supported on the CPU only");
-    }
-    Ok(())
+    check_float_operands(OP, ("a", a), &[("b", b)], &[("mask", mask)])
 }
 
 /// The shapes of one call, from the three layouts.

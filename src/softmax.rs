@@ -2,9 +2,9 @@
 //! over memory, driven by a [`ReducePlan`].
 
 use crate::cpu::output_vec;
-use crate::dispatch::with_float_cpu;
+use crate::dispatch::{check_float_operands, with_float_cpu};
 use crate::reduce_plan::ReducePlan;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -61,18 +61,7 @@ fn apply(xs: &Tensor, dims: &[usize], log: bool) -> Result<Tensor> {
     if xs.rank() == 0 {
         bail!("{op}: rank-0 tensors have no dims to normalise over");
     }
-    if !matches!(
-        xs.dtype(),
-        DType::F32 | DType::F16 | DType::BF16 | DType::F64
-    ) {
-        bail!(
-            "{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
-            xs.dtype()
-        );
-    }
-    if xs.device().is_cuda() && xs.dtype() == DType::F64 {
-        bail!("{op}: f64 is supported on the CPU only");
-    }
+    check_float_operands(op, ("xs", xs), &[], &[])?;
     let plan = ReducePlan::cached(xs.dims(), dims).map_err(|e| e.context(op))?;
     xs.contiguous()?.apply_op1(SoftmaxDims { plan, log })
 }
@@ -427,13 +416,15 @@ mod cuda {
     /// Column groups up to this size fit in the scalar kernels' registers (16 values x 8 y
     /// threads) and run faster there than in the lanes form, whose four accumulators cost four
     /// block reductions (H200: dims [0] of [32, 1024, 4096], 0.39 ms scalar, 0.47 ms lanes).
-    const SCALAR_COLUMN_CACHE: usize = 128;
+    const SCALAR_COLUMN_CACHE: usize = CACHED_ELEMENTS * MAX_COLUMN_LY;
 
     /// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
     const THREADS: usize = 256;
     /// What one thread of the `_cached` kernels holds (`cached_units` in `softmax.cu`): single
     /// elements, or 16-byte vectors.
     const CACHED_ELEMENTS: usize = 16;
+    /// Most y threads per column-like group, so a warp still reads whole sectors.
+    const MAX_COLUMN_LY: usize = 8;
     const CACHED_VECTORS: usize = 4;
     /// Fewest elements a thread should stream per chunk before splitting groups pays.
     const MIN_ELEMS_PER_THREAD: usize = 64;
@@ -500,8 +491,7 @@ mod cuda {
         } else {
             CACHED_VECTORS
         };
-        // Column-like groups get at most 8 y threads, so a warp still reads whole sectors.
-        let max_ly = if lanes > 1 { 8 } else { THREADS };
+        let max_ly = if lanes > 1 { MAX_COLUMN_LY } else { THREADS };
         let ly = size.div_ceil(per_thread).next_power_of_two().min(max_ly);
         let lx = THREADS / ly;
         if form != Form::Lanes && size <= per_thread * ly {
