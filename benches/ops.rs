@@ -628,7 +628,21 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
             "candle_nn AdamW step",
             || adamw.step(&grads),
         )?;
-        if !dev.is_cuda() {
+        if dev.is_cuda() {
+            let mut exact = ParamsSmallFcLOpt::new(mlp.clone());
+            exact.tensor_cores = false;
+            let mut lopt = SmallFcLOpt::new(vars.clone(), exact)?;
+            let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
+            b.compare(
+                OP,
+                &format!("{name} step (fused, f32 FMA MLP)"),
+                DType::F32,
+                Work::Bytes(bytes),
+                || lopt.step(&grads),
+                "candle_nn AdamW step",
+                || adamw.step(&grads),
+            )?;
+        } else {
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
             params.fused = false;
             let mut composed = SmallFcLOpt::new(vars.clone(), params)?;

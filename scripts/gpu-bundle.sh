@@ -122,5 +122,29 @@ done
 rm -rf "$work"
 SWEEP
 chmod +x "$bundle/sweep.sh"
+cat > "$bundle/profile.sh" <<'PROFILE'
+#!/usr/bin/env bash
+# Kernel durations with Nsight Compute: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [bench filters...]
+# profiles COUNT launches of kernels matching KERNEL_REGEX after skipping SKIP of them, in the bench
+# run with the given filters, and writes OUTDIR/profile.csv (one row per launch: gpu__time_duration).
+out=${1:?usage: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [filters...]}
+regex=$2 skip=$3 count=$4
+shift 4
+mkdir -p "$out"
+work=$(mktemp -d)
+xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/bench"
+libdirs=/usr/local/cuda/lib64
+for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
+    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
+done
+export LD_LIBRARY_PATH="$libdirs"
+ncu=$(command -v ncu || find /opt /usr/local -name ncu -type f 2>/dev/null | head -n1)
+"$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
+    --metrics gpu__time_duration.sum --csv "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"
+echo "profile.sh: ncu exit $?"
+rm -rf "$work"
+PROFILE
+chmod +x "$bundle/profile.sh"
 du -sh "$bundle" >&2
 ls -la "$bundle/bin" >&2

@@ -49,8 +49,18 @@ fn params_for(config: &str, mlp: MlpWeights) -> ParamsSmallFcLOpt {
 }
 
 fn params_with(config: &str, mlp: MlpWeights, fused: bool) -> ParamsSmallFcLOpt {
+    params_mode(config, mlp, fused, true)
+}
+
+fn params_mode(
+    config: &str,
+    mlp: MlpWeights,
+    fused: bool,
+    tensor_cores: bool,
+) -> ParamsSmallFcLOpt {
     let mut params = ParamsSmallFcLOpt::new(mlp);
     params.fused = fused;
+    params.tensor_cores = tensor_cores;
     if config == "lr_wd" {
         params.lr = 0.5;
         params.weight_decay = 0.01;
@@ -121,14 +131,21 @@ fn golden_vectors_every_case_both_configs() -> Result<()> {
     let g = golden()?;
     for_each_device(|dev| {
         let tol = if dev.is_cpu() { 1e-5 } else { 1e-4 };
-        for fused in [true, false] {
+        // (fused, tensor_cores); the CPU ignores tensor_cores.
+        let modes: &[(bool, bool)] = if dev.is_cpu() {
+            &[(true, true), (false, true)]
+        } else {
+            &[(true, true), (true, false), (false, true)]
+        };
+        for &(fused, tensor_cores) in modes {
             for config in ["default", "lr_wd"] {
                 let vars = fresh_vars(&g, config, dev)?;
                 let mlp = MlpWeights::from_safetensors(MLP, dev)?;
-                let mut opt = SmallFcLOpt::new(vars.clone(), params_with(config, mlp, fused))?;
+                let params = params_mode(config, mlp, fused, tensor_cores);
+                let mut opt = SmallFcLOpt::new(vars.clone(), params)?;
                 let worst = replay(&g, config, &vars, &mut opt, 1..=STEPS, tol)?;
                 eprintln!(
-                    "{config} on {:?} (fused {fused}): worst relative error {worst:.2e}",
+                    "{config} on {:?} (fused {fused}, tensor cores {tensor_cores}): worst relative error {worst:.2e}",
                     dev.location()
                 );
                 assert_eq!(opt.steps_taken(), STEPS as u64);
@@ -328,10 +345,124 @@ fn non_finite_gradients_policies() -> Result<()> {
     Ok(())
 }
 
+/// Row-scaled random gradients for `vars` (so the Adafactor factors matter), `None` for every
+/// variable whose index is in `frozen`.
+fn structured_grads(vars: &[Var], dev: &Device, salt: u64, frozen: &[usize]) -> Result<GradStore> {
+    let mut grads = GradStore::default();
+    for (i, v) in vars.iter().enumerate() {
+        if frozen.contains(&i) {
+            continue;
+        }
+        let g = rand_tensor(v.dims(), 1.0, DType::F32, dev, salt + 7 * i as u64)?;
+        let g = if v.rank() >= 2 {
+            let rows = rand_tensor(&[v.dim(0)?], 3.0, DType::F32, dev, 300 + i as u64)?.exp()?;
+            let shape: Vec<usize> = (0..v.rank())
+                .map(|d| if d == 0 { v.dims()[0] } else { 1 })
+                .collect();
+            g.broadcast_mul(&rows.reshape(shape)?)?
+        } else {
+            g
+        };
+        grads.insert(v.as_tensor(), g.to_dtype(v.dtype())?);
+    }
+    Ok(grads)
+}
+
+/// Steps a fused optimizer and the composed reference over copies of the same variables and
+/// checks every parameter after every step: relative to the parameter's size before and after
+/// the step (a value the step carries through zero must not make a rounding-level difference
+/// look large), within `tol` for f32 variables and one rounding of the dtype otherwise.
+/// Returns the worst f32 error seen.
+fn check_fused_against_composed(
+    dev: &Device,
+    tensor_cores: bool,
+    vars: impl Fn() -> Result<Vec<Var>>,
+    frozen: &[usize],
+    steps: u64,
+    tol: f64,
+) -> Result<f64> {
+    let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+    let (fused_vars, composed_vars) = (vars()?, vars()?);
+    let mut params = ParamsSmallFcLOpt::new(mlp);
+    params.weight_decay = 0.01;
+    params.lr = 0.7;
+    params.tensor_cores = tensor_cores;
+    let mut fused = SmallFcLOpt::new(fused_vars.clone(), params.clone())?;
+    params.fused = false;
+    let mut composed = SmallFcLOpt::new(composed_vars.clone(), params)?;
+    let mut worst = 0f64;
+    for step in 0..steps {
+        let before: Vec<Vec<f64>> = composed_vars
+            .iter()
+            .map(|c| to_f64(c.as_tensor()))
+            .collect::<Result<_>>()?;
+        fused.step(&structured_grads(
+            &fused_vars,
+            dev,
+            200 + step * 1000,
+            frozen,
+        )?)?;
+        composed.step(&structured_grads(
+            &composed_vars,
+            dev,
+            200 + step * 1000,
+            frozen,
+        )?)?;
+        for (i, ((f, c), before)) in fused_vars
+            .iter()
+            .zip(&composed_vars)
+            .zip(&before)
+            .enumerate()
+        {
+            let (a, e) = (to_f64(f.as_tensor())?, to_f64(c.as_tensor())?);
+            if frozen.contains(&i) {
+                assert_eq!(&a, before, "variable {i} has no gradient but moved");
+                assert_eq!(&e, before);
+                continue;
+            }
+            let scale = e
+                .iter()
+                .chain(before)
+                .fold(0f64, |m, x| m.max(x.abs()))
+                .max(1e-12);
+            let diff = a
+                .iter()
+                .zip(&e)
+                .fold(0f64, |m, (a, e)| m.max((a - e).abs()));
+            let err = diff / scale;
+            let allowed = match f.dtype() {
+                DType::F32 => {
+                    worst = worst.max(err);
+                    tol
+                }
+                DType::F16 => tol.max(1e-3),
+                _ => tol.max(8e-3),
+            };
+            assert!(
+                err <= allowed,
+                "fused (tensor cores {tensor_cores}) vs composed on {:?}, variable {i} {:?} {:?}, step {step}: relative error {err:.2e}",
+                dev.location(),
+                f.dims(),
+                f.dtype()
+            );
+        }
+    }
+    Ok(worst)
+}
+
+/// The fused step against the composed reference: f32 arithmetic (CPU; CUDA with FMAs) agrees to
+/// 2e-5; the CUDA tensor-core MLP (f16 inputs, f32 accumulation) to 5e-4.
+fn fused_tolerance(dev: &Device, tensor_cores: bool) -> f64 {
+    if dev.is_cuda() && tensor_cores {
+        5e-4
+    } else {
+        2e-5
+    }
+}
+
 #[test]
 fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
     for_each_device(|dev| {
-        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
         let shapes: Vec<Vec<usize>> = vec![
             vec![257, 129],
             vec![64, 64],
@@ -340,66 +471,73 @@ fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
             vec![1000],
             vec![],
         ];
-        let make = |salt: u64| -> Result<Vec<Var>> {
+        let make = || -> Result<Vec<Var>> {
             shapes
                 .iter()
                 .enumerate()
                 .map(|(i, s)| {
-                    Var::from_tensor(&rand_tensor(s, 1.0, DType::F32, dev, salt + i as u64)?)
+                    Var::from_tensor(&rand_tensor(s, 1.0, DType::F32, dev, 100 + i as u64)?)
                 })
                 .collect()
         };
-        let (fused_vars, composed_vars) = (make(100)?, make(100)?);
-        let mut params = ParamsSmallFcLOpt::new(mlp);
-        params.weight_decay = 0.01;
-        params.lr = 0.7;
-        let mut fused = SmallFcLOpt::new(fused_vars.clone(), params.clone())?;
-        params.fused = false;
-        let mut composed = SmallFcLOpt::new(composed_vars.clone(), params)?;
-        for step in 0..4u64 {
-            let (mut gf, mut gc) = (GradStore::default(), GradStore::default());
-            for (i, (f, c)) in fused_vars.iter().zip(&composed_vars).enumerate() {
-                // Row/column-scaled gradients, so the Adafactor factors matter.
-                let g = rand_tensor(f.dims(), 1.0, DType::F32, dev, 200 + step * 10 + i as u64)?;
-                let g = if f.rank() >= 2 {
-                    let rows =
-                        rand_tensor(&[f.dim(0)?], 3.0, DType::F32, dev, 300 + i as u64)?.exp()?;
-                    let shape: Vec<usize> = (0..f.rank())
-                        .map(|d| if d == 0 { f.dim(0).unwrap() } else { 1 })
-                        .collect();
-                    g.broadcast_mul(&rows.reshape(shape)?)?
-                } else {
-                    g
+        for tensor_cores in [false, true] {
+            let tol = fused_tolerance(dev, tensor_cores);
+            let worst = check_fused_against_composed(dev, tensor_cores, make, &[], 4, tol)?;
+            eprintln!(
+                "random model on {:?}, tensor cores {tensor_cores}: worst relative error {worst:.2e} (allowed {tol:.0e})",
+                dev.location()
+            );
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// More tensors than one launch group takes (128), of every rank, with 2^k +- 1 sizes, mixed
+/// dtypes and some tensors without gradients: the multi-tensor CUDA step must match the composed
+/// reference tensor for tensor (on the CPU this checks the per-tensor fused passes).
+#[test]
+fn many_tensors_of_every_rank_match_the_reference() -> Result<()> {
+    for_each_device(|dev| {
+        let mut r = rng(77);
+        let count = if dev.is_cuda() { 300 } else { 140 };
+        let shapes: Vec<(Vec<usize>, DType)> = (0..count)
+            .map(|i| {
+                use rand::Rng;
+                let rank = i % 5;
+                let shape: Vec<usize> = (0..rank)
+                    .map(|_| [1, 2, 3, 5, 7, 15, 17, 31, 33][r.random_range(0..9)])
+                    .collect();
+                let dtype = match i % 11 {
+                    3 => DType::BF16,
+                    7 => DType::F16,
+                    _ => DType::F32,
                 };
-                gf.insert(f.as_tensor(), g.clone());
-                gc.insert(c.as_tensor(), g);
-            }
-            let before: Vec<Vec<f64>> = composed_vars
+                (shape, dtype)
+            })
+            .collect();
+        let frozen: Vec<usize> = (0..count).filter(|i| i % 13 == 5).collect();
+        let make = || -> Result<Vec<Var>> {
+            shapes
                 .iter()
-                .map(|c| to_f64(c.as_tensor()))
-                .collect::<Result<_>>()?;
-            fused.step(&gf)?;
-            composed.step(&gc)?;
-            for ((f, c), before) in fused_vars.iter().zip(&composed_vars).zip(&before) {
-                let (a, e) = (to_f64(f.as_tensor())?, to_f64(c.as_tensor())?);
-                // Relative to the parameter's size before and after the step: a value the step
-                // carries through zero must not make a rounding-level difference look large.
-                let scale = e
-                    .iter()
-                    .chain(before)
-                    .fold(0f64, |m, x| m.max(x.abs()))
-                    .max(1e-12);
-                let diff = a
-                    .iter()
-                    .zip(&e)
-                    .fold(0f64, |m, (a, e)| m.max((a - e).abs()));
-                assert!(
-                    diff / scale <= 2e-5,
-                    "fused vs composed, shape {:?}, step {step}: relative error {:.2e}",
-                    f.dims(),
-                    diff / scale
-                );
-            }
+                .enumerate()
+                .map(|(i, (s, dt))| {
+                    Var::from_tensor(&rand_tensor(s, 1.0, *dt, dev, 500 + i as u64)?)
+                })
+                .collect()
+        };
+        let modes: &[bool] = if dev.is_cuda() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &tensor_cores in modes {
+            let tol = fused_tolerance(dev, tensor_cores);
+            let worst = check_fused_against_composed(dev, tensor_cores, make, &frozen, 3, tol)?;
+            eprintln!(
+                "{count} tensors on {:?}, tensor cores {tensor_cores}: worst relative error {worst:.2e} (allowed {tol:.0e})",
+                dev.location()
+            );
         }
         Ok(())
     });

@@ -1,7 +1,8 @@
 //! The two per-element passes of a small_fc_lopt step, fused: one computes the 28 per-tensor
 //! feature norms without materialising the features, the other rebuilds the features, runs the
-//! MLP and writes the new parameter. CPU (rayon) and CUDA (`src/cuda/small_fc_lopt.cu`) share
-//! the feature definition; the composed-ops path in `small_fc_lopt.rs` is their reference.
+//! MLP and writes the new parameter, on the CPU (rayon). The CUDA step (`multi_tensor.rs`) runs
+//! the same passes over all tensors at once; the composed-ops path in `small_fc_lopt.rs` is
+//! their reference.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, StorageRef, Tensor};
 use rayon::prelude::*;
@@ -104,7 +105,8 @@ fn planes(t: &FusedTensor) -> usize {
     }
 }
 
-/// Scalars of the update pass.
+/// Scalars of the update pass (the layout of `Hyper` in the kernels).
+#[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Hyper {
     pub step_mult: f32,
@@ -362,21 +364,6 @@ impl CustomOp1 for Stats {
             Ok((CpuStorage::F32(out), Shape::from(len)))
         })
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        grad: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dev = &grad.device;
-        let len = planes(&self.t) * self.t.grad.elem_count() + FEATURES;
-        let out = cuda::stats(dev, self, len)?;
-        Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from(len),
-        ))
-    }
 }
 
 /// The packed MLP with its two hidden layers transposed, so the loops below run over
@@ -515,176 +502,6 @@ impl CustomOp1 for Update {
             // SAFETY: the chunks cover 0..n and write every element.
             unsafe { out.set_len(n) };
             Ok((CpuStorage::F32(out), Shape::from(n)))
-        })
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        param: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dev = &param.device;
-        let n = self.t.param.elem_count();
-        let out = crate::cuda::alloc_output::<f32>(dev, n)?;
-        cuda::update(dev, self, &out)?;
-        Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            Shape::from(n),
-        ))
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    use super::{Decays, FusedFactors, FusedTensor, Stats, Update, FEATURES, OP};
-    use crate::cuda::{grid_stride_config, Kernel, Module};
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DevicePtr, DeviceRepr, PushKernelArg,
-    };
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
-
-    /// Mirrors `LoptTensor` in `src/cuda/small_fc_lopt.cu`.
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy, Default)]
-    struct LoptTensor {
-        grad: u64,
-        param: u64,
-        momentum: [u64; 3],
-        rms: u64,
-        row: [u64; 3],
-        col: [u64; 3],
-        row_factor: [u64; 3],
-        col_factor: [u64; 3],
-        full: [u64; 3],
-        n: u64,
-        inner0: u64,
-        size0: u64,
-        inner1: u64,
-        size1: u64,
-        factored: u32,
-        pad: u32,
-    }
-
-    // SAFETY: plain data with the C layout the kernels expect.
-    unsafe impl DeviceRepr for LoptTensor {}
-    // SAFETY: as above.
-    unsafe impl DeviceRepr for Decays {}
-
-    const THREADS: u32 = 256;
-
-    /// Runs `f` with the kernel struct of `t`: device addresses of every tensor, valid while
-    /// `f` runs (the storages stay locked and the addresses are taken on the launch stream).
-    fn with_tensor<R>(
-        dev: &CudaDevice,
-        t: &FusedTensor,
-        f: impl FnOnce(&LoptTensor) -> Result<R>,
-    ) -> Result<R> {
-        let tensors = t.tensors();
-        let locks: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
-        let mut views: Vec<CudaView<'_, f32>> = Vec::with_capacity(locks.len());
-        for (storage, layout) in &locks {
-            let Storage::Cuda(s) = &**storage else {
-                bail!("{OP}: internal error, a state tensor is not on the GPU");
-            };
-            views.push(s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..));
-        }
-        let stream = dev.cuda_stream();
-        let ptrs: Vec<_> = views.iter().map(|v| v.device_ptr(&stream)).collect();
-        let p = |i: usize| ptrs[i].0;
-        let three = |i: usize| [p(i), p(i + 1), p(i + 2)];
-        let mut k = LoptTensor {
-            grad: p(0),
-            param: p(1),
-            momentum: three(2),
-            rms: p(5),
-            n: t.grad.elem_count() as u64,
-            ..Default::default()
-        };
-        match &t.factors {
-            FusedFactors::Matrix { axis0, axis1, .. } => {
-                k.row = three(6);
-                k.col = three(9);
-                k.row_factor = three(12);
-                k.col_factor = three(15);
-                (k.inner0, k.size0) = (axis0.0 as u64, axis0.1 as u64);
-                (k.inner1, k.size1) = (axis1.0 as u64, axis1.1 as u64);
-                k.factored = 1;
-            }
-            FusedFactors::Vector { .. } => k.full = three(6),
-        }
-        f(&k)
-    }
-
-    /// Pass 1: allocates the output (accumulator planes, then 28 zeroed sums) and fills it.
-    pub(super) fn stats(dev: &CudaDevice, s: &Stats, len: usize) -> Result<CudaSlice<f32>> {
-        let n = s.t.grad.elem_count();
-        let mut out = crate::cuda::alloc_output::<f32>(dev, len)?;
-        let stream = dev.cuda_stream();
-        let planes_len = len - FEATURES;
-        {
-            let mut sums = out.slice_mut(planes_len..);
-            stream.memset_zeros(&mut sums).w()?;
-        }
-        if n == 0 {
-            return Ok(out);
-        }
-        let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
-        let cfg = grid_stride_config(dev, n as u64, THREADS, 4, 0)?;
-        {
-            let (mut planes, mut sums) = out.split_at_mut(planes_len);
-            with_tensor(dev, &s.t, |k| {
-                // SAFETY: matches `lopt_stats(LoptTensor, Decays, float* out, float* sums)`; every
-                // address in `k` is a live f32 buffer of the size its role implies, `planes` holds
-                // the accumulator planes of n elements each and `sums` 28 floats.
-                unsafe {
-                    kernel.launch(cfg, |args| {
-                        args.arg(k).arg(&s.decays).arg(&mut planes).arg(&mut sums);
-                    })
-                }
-            })?;
-        }
-        Ok(out)
-    }
-
-    fn view_of(t: &Tensor) -> Result<(candle_core::StorageRef<'_>, usize)> {
-        let (storage, layout) = t.storage_and_layout();
-        Ok((storage, layout.start_offset()))
-    }
-
-    pub(super) fn update(dev: &CudaDevice, u: &Update, out: &CudaSlice<f32>) -> Result<()> {
-        let n = u.t.param.elem_count() as u64;
-        if n == 0 {
-            return Ok(());
-        }
-        let (scale_lock, scale_start) = view_of(&u.sums)?;
-        let (mlp_lock, mlp_start) = view_of(&u.mlp)?;
-        let (Storage::Cuda(scale), Storage::Cuda(mlp)) = (&*scale_lock, &*mlp_lock) else {
-            bail!("{OP}: internal error, MLP weights are not on the GPU");
-        };
-        let scale = scale
-            .as_cuda_slice::<f32>()?
-            .slice(scale_start..scale_start + FEATURES);
-        let mlp = mlp.as_cuda_slice::<f32>()?.slice(mlp_start..);
-        let kernel = Kernel::load(dev, Module::SmallFcLOpt, "lopt_update")?;
-        let cfg = grid_stride_config(dev, n, THREADS, 4, 0)?;
-        let h = u.hyper;
-        with_tensor(dev, &u.t, |k| {
-            // SAFETY: matches `lopt_update(LoptTensor, sums, mlp, step_mult, exp_mult, lr,
-            // weight_decay, out)`; sums holds 28 floats, mlp MLP_FLOATS, out n.
-            unsafe {
-                kernel.launch(cfg, |args| {
-                    args.arg(k)
-                        .arg(&scale)
-                        .arg(&mlp)
-                        .arg(&h.step_mult)
-                        .arg(&h.exp_mult)
-                        .arg(&h.lr)
-                        .arg(&h.weight_decay)
-                        .arg(out);
-                })
-            }
         })
     }
 }

@@ -18,6 +18,8 @@
 //! ```
 
 mod fused;
+#[cfg(feature = "cuda")]
+mod multi_tensor;
 mod small_fc_lopt;
 
 pub use small_fc_lopt::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

@@ -12,6 +12,8 @@
 //! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
 use super::fused::{self, FusedFactors, FusedTensor};
+#[cfg(feature = "cuda")]
+use super::multi_tensor;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -157,6 +159,11 @@ pub struct ParamsSmallFcLOpt {
     /// materialise the features. `false`: the reference built from candle ops, which stacks the
     /// `[28, n]` features and `[32, n]` activations of each tensor (for testing).
     pub fused: bool,
+    /// CUDA, fused path: evaluate the MLP on f16 tensor cores with f32 accumulation (default,
+    /// several times faster: features and activations rounded to f16, relative error of the
+    /// step around 1e-4, see BENCHMARKS.md) instead of exact f32 FMAs. Ignored on the CPU,
+    /// which is always exact.
+    pub tensor_cores: bool,
     /// The MLP.
     pub mlp: MlpWeights,
 }
@@ -174,6 +181,7 @@ impl ParamsSmallFcLOpt {
             adafactor_offsets: [0.18621896, -0.10864615, -0.06185547],
             non_finite: NonFiniteGrads::Propagate,
             fused: true,
+            tensor_cores: true,
             mlp,
         }
     }
@@ -256,6 +264,95 @@ impl TensorState {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl TensorState {
+    /// The states of `vars` as views into one set of flat device buffers.
+    fn new_flat(vars: Vec<Var>, dev: &Device) -> Result<(multi_tensor::DeviceState, Vec<Self>)> {
+        let shapes: Vec<_> = vars
+            .iter()
+            .map(|v| {
+                let shape = if v.rank() == 0 {
+                    vec![1]
+                } else {
+                    v.dims().to_vec()
+                };
+                let axes = (shape.len() >= 2).then(|| factored_axes(&shape));
+                (shape, axes)
+            })
+            .collect();
+        let flat = multi_tensor::DeviceState::new(&shapes, dev)?;
+        let mut states = Vec::with_capacity(vars.len());
+        for ((var, (shape, axes)), slots) in vars.into_iter().zip(shapes).zip(&flat.slots) {
+            let n = slots.n;
+            let plane = |buf: &Tensor, at: usize| buf.narrow(0, at, n)?.reshape(shape.as_slice());
+            let factors = match (&slots.kind, axes) {
+                (
+                    multi_tensor::SlotKind::Matrix {
+                        row,
+                        row_shape,
+                        col,
+                        col_shape,
+                    },
+                    Some((d0, d1)),
+                ) => {
+                    let stacked = |buf: &Tensor, at: usize, shape: &[usize]| {
+                        let len: usize = shape.iter().product();
+                        buf.narrow(0, at, 3 * len)?.reshape([&[3], shape].concat())
+                    };
+                    Factors::Matrix {
+                        d0,
+                        d1,
+                        row: stacked(&flat.row, *row, row_shape)?,
+                        col: stacked(&flat.col, *col, col_shape)?,
+                    }
+                }
+                (multi_tensor::SlotKind::Vector { full }, None) => Factors::Vector {
+                    full: [
+                        plane(&flat.full, *full)?,
+                        plane(&flat.full, full + n)?,
+                        plane(&flat.full, full + 2 * n)?,
+                    ],
+                },
+                _ => bail!("{OPT}: internal error, flat state layout does not match the tensor"),
+            };
+            let e = slots.elem;
+            states.push(Self {
+                momentum: [
+                    plane(&flat.elem, e)?,
+                    plane(&flat.elem, e + n)?,
+                    plane(&flat.elem, e + 2 * n)?,
+                ],
+                rms: plane(&flat.elem, e + 3 * n)?,
+                factors,
+                shape,
+                var,
+            });
+        }
+        Ok((flat, states))
+    }
+
+    /// Overwrites this state's values (views into the flat buffers) with `src`'s.
+    fn copy_from(&self, src: &TensorState) -> Result<()> {
+        let pairs: Vec<(&Tensor, &Tensor)> = match (&self.factors, &src.factors) {
+            (Factors::Matrix { row, col, .. }, Factors::Matrix { row: r, col: c, .. }) => {
+                vec![(row, r), (col, c)]
+            }
+            (Factors::Vector { full }, Factors::Vector { full: f }) => full.iter().zip(f).collect(),
+            _ => bail!("{OPT}: internal error, state kinds differ"),
+        };
+        let momenta = self.momentum.iter().zip(&src.momentum);
+        for (dst, src) in pairs
+            .into_iter()
+            .chain(momenta)
+            .chain(std::iter::once((&self.rms, &src.rms)))
+        {
+            dst.flatten_all()?
+                .slice_set(&src.flatten_all()?.contiguous()?, 0, 0)?;
+        }
+        Ok(())
+    }
+}
+
 /// The decays, resolved from the offsets once per step.
 struct Decays {
     momentum: [f64; 3],
@@ -264,6 +361,18 @@ struct Decays {
     /// `adafactor` and `1 - adafactor` as `[3]` f32 tensors on the optimizer's device, to update
     /// the three stacked matrix accumulators in one op.
     adafactor_tensors: (Tensor, Tensor),
+}
+
+impl Decays {
+    /// As the fused passes take them.
+    fn fused(&self) -> fused::Decays {
+        fused::Decays {
+            momentum: self.momentum.map(|d| d as f32),
+            rms: self.rms as f32,
+            adafactor: self.adafactor.map(|d| d as f32),
+            pad: 0.0,
+        }
+    }
 }
 
 /// The three views of a stacked `[3, ...]` tensor.
@@ -420,6 +529,10 @@ pub struct SmallFcLOpt {
     params: ParamsSmallFcLOpt,
     states: Vec<TensorState>,
     steps: u64,
+    /// CUDA with the fused path: every state in flat buffers (`states` are views into them),
+    /// stepped by the multi-tensor kernels.
+    #[cfg(feature = "cuda")]
+    flat: Option<multi_tensor::DeviceState>,
 }
 
 impl candle_nn::Optimizer for SmallFcLOpt {
@@ -450,6 +563,16 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             mlp: params.mlp.to_device(&device)?,
             ..params
         };
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() && params.fused {
+            let (flat, states) = TensorState::new_flat(vars, &device)?;
+            return Ok(Self {
+                params,
+                states,
+                steps: 0,
+                flat: Some(flat),
+            });
+        }
         let states = vars
             .into_iter()
             .map(TensorState::new)
@@ -458,6 +581,8 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             params,
             states,
             steps: 0,
+            #[cfg(feature = "cuda")]
+            flat: None,
         })
     }
 
@@ -510,6 +635,12 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             },
         };
         let mlp = StepMlp::new(&self.params.mlp, &self.time_features()?)?;
+        #[cfg(feature = "cuda")]
+        if let Some(flat) = &self.flat {
+            self.flat_step(flat, work, &decays, &mlp)?;
+            self.steps += 1;
+            return Ok(());
+        }
         // Compute every new state and parameter, then commit them all.
         let mut updates = Vec::with_capacity(work.len());
         for (i, grad) in work {
@@ -570,16 +701,10 @@ impl SmallFcLOpt {
         Tensor::from_vec(values, (TIME_SCALES.len(), 1), self.params.mlp.device())
     }
 
-    /// The new state and parameter value of one tensor, or `None` when it is skipped.
-    fn tensor_step(
-        &self,
-        state: &TensorState,
-        grad: &Tensor,
-        decays: &Decays,
-        mlp: &StepMlp,
-    ) -> Result<Option<(TensorState, Tensor)>> {
-        let shape = state.shape.as_slice();
-        let mut g = grad.to_dtype(DType::F32)?.reshape(shape)?;
+    /// The gradient as f32 in the optimizer's shape, after the non-finite policy; `None` when
+    /// the tensor is skipped this step.
+    fn prepare_grad(&self, state: &TensorState, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = grad.to_dtype(DType::F32)?.reshape(state.shape.as_slice())?;
         match self.params.non_finite {
             NonFiniteGrads::Propagate => {}
             NonFiniteGrads::Zero => {
@@ -593,6 +718,72 @@ impl SmallFcLOpt {
                 }
             }
         }
+        Ok(Some(g))
+    }
+
+    fn hyper(&self) -> fused::Hyper {
+        fused::Hyper {
+            step_mult: self.params.step_mult as f32,
+            exp_mult: self.params.exp_mult as f32,
+            lr: self.params.lr as f32,
+            weight_decay: self.params.weight_decay as f32,
+        }
+    }
+
+    /// The multi-tensor CUDA step: every tensor's state and parameter updated in place by a few
+    /// launches (parameters of dtypes other than f32, or not contiguous, go through an f32 copy).
+    #[cfg(feature = "cuda")]
+    fn flat_step(
+        &self,
+        flat: &multi_tensor::DeviceState,
+        work: Vec<(usize, Tensor)>,
+        decays: &Decays,
+        mlp: &StepMlp,
+    ) -> Result<()> {
+        let mut tensors: Vec<Option<(Tensor, Tensor)>> = vec![None; self.states.len()];
+        let mut copied = Vec::new();
+        for (i, grad) in work {
+            let state = &self.states[i];
+            let Some(g) = self.prepare_grad(state, &grad)? else {
+                continue;
+            };
+            let var = state.var.as_tensor();
+            let p = if var.dtype() == DType::F32 && var.is_contiguous() {
+                var.flatten_all()?
+            } else {
+                copied.push(i);
+                var.to_dtype(DType::F32)?.flatten_all()?.contiguous()?
+            };
+            tensors[i] = Some((g.flatten_all()?.contiguous()?, p));
+        }
+        flat.step(
+            &tensors,
+            decays.fused(),
+            &mlp.packed,
+            self.hyper(),
+            self.params.tensor_cores,
+        )?;
+        for i in copied {
+            if let Some((_, p)) = &tensors[i] {
+                let var = &self.states[i].var;
+                var.set(&p.reshape(var.dims())?.to_dtype(var.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The new state and parameter value of one tensor, or `None` when it is skipped.
+    fn tensor_step(
+        &self,
+        state: &TensorState,
+        grad: &Tensor,
+        decays: &Decays,
+        mlp: &StepMlp,
+    ) -> Result<Option<(TensorState, Tensor)>> {
+        let shape = state.shape.as_slice();
+        let Some(g) = self.prepare_grad(state, grad)? else {
+            return Ok(None);
+        };
         let p = state.var.as_tensor().to_dtype(DType::F32)?.reshape(shape)?;
         let (new_p, acc) = if self.params.fused {
             self.fused_update(state, &g, &p, decays, mlp)?
@@ -663,15 +854,7 @@ impl SmallFcLOpt {
             rms: state.rms.clone(),
             factors: fused_factors(&old_full)?,
         };
-        let (planes, sums) = fused::accumulate(
-            &previous,
-            fused::Decays {
-                momentum: decays.momentum.map(|d| d as f32),
-                rms: decays.rms as f32,
-                adafactor: decays.adafactor.map(|d| d as f32),
-                pad: 0.0,
-            },
-        )?;
+        let (planes, sums) = fused::accumulate(&previous, decays.fused())?;
         let plane = |k: usize| planes.get(k)?.reshape(shape);
         let momentum = [plane(0)?, plane(1)?, plane(2)?];
         let rms = plane(3)?;
@@ -689,13 +872,7 @@ impl SmallFcLOpt {
             Factors::Vector { .. } => Factors::Vector { full: new_full },
             matrix => matrix,
         };
-        let hyper = fused::Hyper {
-            step_mult: self.params.step_mult as f32,
-            exp_mult: self.params.exp_mult as f32,
-            lr: self.params.lr as f32,
-            weight_decay: self.params.weight_decay as f32,
-        };
-        let new_p = fused::mlp_update(&current, &sums, &mlp.packed, hyper)?;
+        let new_p = fused::mlp_update(&current, &sums, &mlp.packed, self.hyper())?;
         Ok((
             new_p,
             Accumulators {
@@ -884,6 +1061,15 @@ impl SmallFcLOpt {
                 rms: take(&format!("{i}.rms"), &s.rms)?,
                 factors,
             });
+        }
+        #[cfg(feature = "cuda")]
+        if self.flat.is_some() {
+            // The states are views into the flat buffers the kernels update: copy into them.
+            for (dst, src) in self.states.iter().zip(&restored) {
+                dst.copy_from(src)?;
+            }
+            self.steps = steps.max(0) as u64;
+            return Ok(());
         }
         self.states = restored;
         self.steps = steps.max(0) as u64;

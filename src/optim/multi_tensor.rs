@@ -1,0 +1,516 @@
+//! The CUDA step of small_fc_lopt over every tensor at once (`src/cuda/small_fc_lopt.cu`).
+//!
+//! The optimizer state of all tensors lives in a few flat f32 buffers, allocated once and updated
+//! in place (the per-tensor state tensors are views into them); a static table describes each
+//! tensor (sizes, offsets, index divisors) and splits it into fixed-size chunks. A step is then
+//! four launches per group of up to [`GROUP`] tensors (the gradient and parameter addresses of a
+//! group travel as a kernel argument), whatever the tensor count: square sums, Adafactor factors,
+//! accumulators + feature statistics, MLP + parameter update. Parameters are written in place.
+
+use super::fused::{Decays, Hyper, FEATURES, MLP_FLOATS};
+use crate::cuda::{Kernel, Module};
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, DType, Device, Result, Storage, Tensor};
+
+const OP: &str = "small_fc_lopt";
+/// Tensors per launch (the size of the kernels' `StepTensors` argument).
+const GROUP: usize = 128;
+/// Elements per chunk (`CHUNK` in the kernels).
+const CHUNK: usize = 8192;
+const THREADS: u32 = 256;
+
+/// Division by a constant as the kernels do it: `(umulhi(n, magic) + n) >> shift` for `n < 2^32`
+/// (the round-up method, exact for every 32-bit `n`), a 64-bit division for wide tensors.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Divisor {
+    d: u64,
+    magic: u32,
+    shift: u32,
+}
+
+impl Divisor {
+    fn new(d: usize) -> Self {
+        let d = d.max(1) as u64;
+        if d > u32::MAX as u64 {
+            // Only tensors of 2^32 elements or more have such axes, and those divide in 64 bits.
+            return Self {
+                d,
+                magic: 0,
+                shift: 0,
+            };
+        }
+        let shift = 64 - (d - 1).leading_zeros(); // ceil(log2 d); 0 for d = 1
+        let magic = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
+        Self { d, magic, shift }
+    }
+
+    /// The kernels' quotient for a 32-bit `n` (tests compare it with `/`).
+    #[cfg(test)]
+    fn quotient(&self, n: u32) -> u64 {
+        let hi = (n as u64 * self.magic as u64) >> 32;
+        (hi + n as u64) >> self.shift
+    }
+}
+
+/// Mirrors `LoptMeta` in the kernels.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct LoptMeta {
+    n: u64,
+    elem: u64,
+    full: u64,
+    row: u64,
+    col: u64,
+    row_sum: u64,
+    col_sum: u64,
+    batch: u64,
+    rows: u64,
+    cols: u64,
+    batches: u64,
+    inner0: Divisor,
+    outer0: Divisor,
+    inner1: Divisor,
+    outer1: Divisor,
+    row_inner1: Divisor,
+    row_outer1: Divisor,
+    inv_size0: f32,
+    inv_size1: f32,
+    factored: u32,
+    wide: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Chunk {
+    tensor: u32,
+    pad: u32,
+    start: u64,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct StepTensors {
+    grad: [u64; GROUP],
+    param: [u64; GROUP],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Buffers {
+    elem: u64,
+    full: u64,
+    row: u64,
+    col: u64,
+    row_factor: u64,
+    col_factor: u64,
+    row_sum: u64,
+    col_sum: u64,
+    batch_sum: u64,
+    feat_sum: u64,
+}
+
+// SAFETY: plain data with the C layout the kernels expect.
+unsafe impl DeviceRepr for StepTensors {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Buffers {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Hyper {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Decays {}
+
+/// A tensor's shape (rank >= 1) and, for matrices, its Adafactor axes (d0, d1).
+pub(super) type TensorShape = (Vec<usize>, Option<(usize, usize)>);
+
+/// How one tensor's state sits in the flat buffers.
+#[derive(Debug, Clone)]
+pub(super) struct TensorSlots {
+    pub n: usize,
+    /// `[4, n]` (momentum 0..2, rms) at this offset of the element buffer.
+    pub elem: usize,
+    pub kind: SlotKind,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum SlotKind {
+    /// `[3, rows]` at `row` of the row buffer (shape `row_shape`: axis d0 kept with size 1),
+    /// `[3, cols]` at `col` of the column buffer (`col_shape`: axis d1 kept with size 1).
+    Matrix {
+        row: usize,
+        row_shape: Vec<usize>,
+        col: usize,
+        col_shape: Vec<usize>,
+    },
+    /// `[3, n]` at `full` of the vector-accumulator buffer.
+    Vector { full: usize },
+}
+
+/// One launch group: tensors `first..first + count` and their chunks.
+#[derive(Debug)]
+struct Group {
+    first: usize,
+    count: usize,
+    chunks: Tensor,
+    n_chunks: u32,
+}
+
+/// The state of every tensor in flat device buffers, and the static tables of the kernels.
+#[derive(Debug)]
+pub(super) struct DeviceState {
+    pub slots: Vec<TensorSlots>,
+    /// The optimizer state, updated in place by the kernels.
+    pub elem: Tensor,
+    pub full: Tensor,
+    pub row: Tensor,
+    pub col: Tensor,
+    /// Derived each step.
+    row_factor: Tensor,
+    col_factor: Tensor,
+    /// Row sums | column sums | batch sums | feature sums, zeroed at the start of each step.
+    scratch: Tensor,
+    scratch_at: [usize; 4],
+    meta: Tensor,
+    groups: Vec<Group>,
+}
+
+/// Uploads `items` (repr(C) structs of 8-byte multiple size) as a u32 tensor.
+fn upload<T: Copy>(items: &[T], dev: &Device) -> Result<Tensor> {
+    let words = std::mem::size_of_val(items) / 4;
+    // SAFETY: T is plain data of a size that is a multiple of 4 bytes (and at least 4-aligned),
+    // so its bytes read as `words` u32 values.
+    let data = unsafe { std::slice::from_raw_parts(items.as_ptr() as *const u32, words) }.to_vec();
+    if data.is_empty() {
+        return Tensor::zeros(1, DType::U32, dev);
+    }
+    Tensor::from_vec(data, words, dev)
+}
+
+impl DeviceState {
+    /// Lays out the zero-initialised state of tensors of the given shapes on `dev`.
+    pub fn new(shapes: &[TensorShape], dev: &Device) -> Result<Self> {
+        if shapes.len() > u32::MAX as usize {
+            bail!("{OP}: too many tensors");
+        }
+        let (mut elem, mut full, mut row, mut col) = (0usize, 0usize, 0usize, 0usize);
+        let (mut row_sums, mut col_sums, mut batches) = (0usize, 0usize, 0usize);
+        let mut slots = Vec::with_capacity(shapes.len());
+        let mut metas = Vec::with_capacity(shapes.len());
+        for (shape, axes) in shapes {
+            let n: usize = shape.iter().product();
+            let mut meta = LoptMeta {
+                n: n as u64,
+                elem: elem as u64,
+                wide: (n > u32::MAX as usize) as u32,
+                ..Default::default()
+            };
+            let kind = match axes {
+                Some((d0, d1)) => {
+                    let stride = |d: usize| shape[d + 1..].iter().product::<usize>();
+                    let mut row_shape = shape.clone();
+                    row_shape[*d0] = 1;
+                    let mut col_shape = shape.clone();
+                    col_shape[*d1] = 1;
+                    let rows: usize = row_shape.iter().product();
+                    let cols: usize = col_shape.iter().product();
+                    // Batches of the row accumulator: the row shape with d1 removed as well.
+                    let row_stride1 = row_shape[d1 + 1..].iter().product::<usize>();
+                    let batch_count = rows / shape[*d1].max(1);
+                    meta.row = row as u64;
+                    meta.col = col as u64;
+                    meta.row_sum = row_sums as u64;
+                    meta.col_sum = col_sums as u64;
+                    meta.batch = batches as u64;
+                    meta.rows = rows as u64;
+                    meta.cols = cols as u64;
+                    meta.batches = batch_count as u64;
+                    meta.inner0 = Divisor::new(stride(*d0));
+                    meta.outer0 = Divisor::new(stride(*d0) * shape[*d0]);
+                    meta.inner1 = Divisor::new(stride(*d1));
+                    meta.outer1 = Divisor::new(stride(*d1) * shape[*d1]);
+                    meta.row_inner1 = Divisor::new(row_stride1);
+                    meta.row_outer1 = Divisor::new(row_stride1 * shape[*d1]);
+                    meta.inv_size0 = 1.0 / shape[*d0] as f32;
+                    meta.inv_size1 = 1.0 / shape[*d1] as f32;
+                    meta.factored = 1;
+                    let kind = SlotKind::Matrix {
+                        row,
+                        row_shape,
+                        col,
+                        col_shape,
+                    };
+                    row += 3 * rows;
+                    col += 3 * cols;
+                    row_sums += rows;
+                    col_sums += cols;
+                    batches += 3 * batch_count;
+                    kind
+                }
+                None => {
+                    meta.full = full as u64;
+                    let kind = SlotKind::Vector { full };
+                    full += 3 * n;
+                    kind
+                }
+            };
+            slots.push(TensorSlots { n, elem, kind });
+            metas.push(meta);
+            elem += 4 * n;
+        }
+        let zeros = |len: usize| Tensor::zeros(len.max(1), DType::F32, dev);
+        let scratch_at = [
+            0,
+            row_sums,
+            row_sums + col_sums,
+            row_sums + col_sums + batches,
+        ];
+        let scratch_len = scratch_at[3] + FEATURES * shapes.len();
+        let mut groups = Vec::new();
+        for first in (0..shapes.len()).step_by(GROUP) {
+            let count = GROUP.min(shapes.len() - first);
+            let chunks: Vec<Chunk> = (first..first + count)
+                .flat_map(|t| {
+                    (0..slots[t].n).step_by(CHUNK).map(move |start| Chunk {
+                        tensor: t as u32,
+                        pad: 0,
+                        start: start as u64,
+                    })
+                })
+                .collect();
+            if chunks.len() > u32::MAX as usize {
+                bail!("{OP}: too many chunks in one launch");
+            }
+            groups.push(Group {
+                first,
+                count,
+                n_chunks: chunks.len() as u32,
+                chunks: upload(&chunks, dev)?,
+            });
+        }
+        Ok(Self {
+            slots,
+            elem: zeros(elem)?,
+            full: zeros(full)?,
+            row: zeros(row)?,
+            col: zeros(col)?,
+            row_factor: zeros(row)?,
+            col_factor: zeros(col)?,
+            scratch: zeros(scratch_len)?,
+            scratch_at,
+            meta: upload(&metas, dev)?,
+            groups,
+        })
+    }
+
+    /// One step. `work[i]` is tensor i's (gradient, parameter), both contiguous f32 with the
+    /// tensor's element count, or `None` to leave the tensor untouched; the parameter is
+    /// overwritten with its new value.
+    pub fn step(
+        &self,
+        work: &[Option<(Tensor, Tensor)>],
+        decays: Decays,
+        mlp: &Tensor,
+        hyper: Hyper,
+        tensor_cores: bool,
+    ) -> Result<()> {
+        let Device::Cuda(dev) = self.elem.device() else {
+            bail!("{OP}: internal error, the flat state is not on a GPU");
+        };
+        debug_assert_eq!(work.len(), self.slots.len());
+        debug_assert_eq!(mlp.elem_count(), MLP_FLOATS);
+        let stream = dev.cuda_stream();
+        // Every tensor the kernels touch, read-locked (the kernels write the state, the
+        // parameters and the scratch through these addresses: they belong to this optimizer or
+        // to its variables, and candle orders all work on the one stream).
+        let mut tensors: Vec<&Tensor> = vec![
+            &self.elem,
+            &self.full,
+            &self.row,
+            &self.col,
+            &self.row_factor,
+            &self.col_factor,
+            &self.scratch,
+            &self.meta,
+            mlp,
+        ];
+        tensors.extend(self.groups.iter().map(|g| &g.chunks));
+        for (g, p) in work.iter().flatten() {
+            tensors.push(g);
+            tensors.push(p);
+        }
+        let locks: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+        let mut views = Vec::with_capacity(locks.len());
+        for (storage, layout) in &locks {
+            let Storage::Cuda(s) = &**storage else {
+                bail!("{OP}: internal error, a tensor of the step is not on the GPU");
+            };
+            // The address of the tensor's first element (4-byte elements either way).
+            let base = match candle_core::backend::BackendStorage::dtype(s) {
+                DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+                _ => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+            };
+            views.push(base + 4 * layout.start_offset() as u64);
+        }
+        let ptr = |i: usize| views[i];
+        let scratch = ptr(6);
+        let at = |k: usize| scratch + 4 * self.scratch_at[k] as u64;
+        let buffers = Buffers {
+            elem: ptr(0),
+            full: ptr(1),
+            row: ptr(2),
+            col: ptr(3),
+            row_factor: ptr(4),
+            col_factor: ptr(5),
+            row_sum: at(0),
+            col_sum: at(1),
+            batch_sum: at(2),
+            feat_sum: at(3),
+        };
+        let (meta, mlp_ptr) = (ptr(7), ptr(8));
+        let chunk_ptrs = 9;
+        let mut step_ptrs = Vec::with_capacity(self.slots.len());
+        let mut next = chunk_ptrs + self.groups.len();
+        for w in work {
+            step_ptrs.push(match w {
+                Some(_) => {
+                    next += 2;
+                    (ptr(next - 2), ptr(next - 1))
+                }
+                None => (0, 0),
+            });
+        }
+        let scratch_bytes = 4 * self.scratch.elem_count();
+        // SAFETY: `scratch` addresses the scratch tensor's f32 elements, on the device's stream.
+        unsafe {
+            candle_core::cuda_backend::cudarc::driver::result::memset_d8_async(
+                scratch,
+                0,
+                scratch_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .w()?;
+        let square_sums = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums")?;
+        let factors = Kernel::load(dev, Module::SmallFcLOpt, "lopt_factors")?;
+        let stats = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
+        let update_name = if tensor_cores {
+            "lopt_update_mma"
+        } else {
+            "lopt_update_fma"
+        };
+        let update = Kernel::load(dev, Module::SmallFcLOpt, update_name)?;
+        let sms = crate::cuda::sm_count(dev)?;
+        let grid = |kernel: &Kernel, blocks: u32| -> Result<LaunchConfig> {
+            let resident = kernel.resident_blocks_per_sm(THREADS, 0)?;
+            Ok(LaunchConfig {
+                grid_dim: (blocks.clamp(1, sms * resident), 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        };
+        for (gi, group) in self.groups.iter().enumerate() {
+            let mut tensors = StepTensors {
+                grad: [0; GROUP],
+                param: [0; GROUP],
+            };
+            for (k, &(g, p)) in step_ptrs[group.first..group.first + group.count]
+                .iter()
+                .enumerate()
+            {
+                tensors.grad[k] = g;
+                tensors.param[k] = p;
+            }
+            if tensors.grad.iter().all(|&g| g == 0) {
+                continue;
+            }
+            let chunks = ptr(chunk_ptrs + gi);
+            let (first, count, n_chunks) = (group.first as u32, group.count as u32, group.n_chunks);
+            // SAFETY (all four launches): the arguments match the kernels' signatures; `meta`
+            // and `chunks` are the tables built for these tensors, every address in `tensors`
+            // is a live contiguous f32 buffer of its tensor's element count, and the state,
+            // factor and scratch buffers were sized from the same table.
+            unsafe {
+                square_sums.launch(grid(&square_sums, n_chunks)?, |a| {
+                    a.arg(&meta)
+                        .arg(&chunks)
+                        .arg(&n_chunks)
+                        .arg(&first)
+                        .arg(&tensors)
+                        .arg(&buffers);
+                })?;
+                factors.launch(grid(&factors, count)?, |a| {
+                    a.arg(&meta)
+                        .arg(&first)
+                        .arg(&count)
+                        .arg(&tensors)
+                        .arg(&buffers)
+                        .arg(&decays);
+                })?;
+                stats.launch(grid(&stats, n_chunks)?, |a| {
+                    a.arg(&meta)
+                        .arg(&chunks)
+                        .arg(&n_chunks)
+                        .arg(&first)
+                        .arg(&tensors)
+                        .arg(&buffers)
+                        .arg(&decays);
+                })?;
+                update.launch(grid(&update, n_chunks)?, |a| {
+                    a.arg(&meta)
+                        .arg(&chunks)
+                        .arg(&n_chunks)
+                        .arg(&first)
+                        .arg(&tensors)
+                        .arg(&buffers)
+                        .arg(&mlp_ptr)
+                        .arg(&hyper);
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Divisor;
+
+    #[test]
+    fn divisor_quotients_are_exact() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut divisors: Vec<u64> = (1..=70).collect();
+        divisors.extend([
+            255,
+            256,
+            257,
+            1023,
+            1024,
+            4097,
+            50257,
+            (1 << 31) - 1,
+            1 << 31,
+            (1 << 31) + 1,
+            u32::MAX as u64 - 1,
+            u32::MAX as u64,
+        ]);
+        divisors.extend((0..200).map(|_| 1 + next() % u32::MAX as u64));
+        for d in divisors {
+            let v = Divisor::new(d as usize);
+            let mut ns: Vec<u32> =
+                vec![0, 1, u32::MAX, u32::MAX - 1, d.min(u32::MAX as u64) as u32];
+            ns.extend((0..500).map(|_| next() as u32));
+            ns.extend((0..50).map(|_| ((next() % 1024) as u32).wrapping_mul(d as u32)));
+            for n in ns {
+                assert_eq!(v.quotient(n), n as u64 / d, "{n} / {d}");
+            }
+        }
+    }
+}
