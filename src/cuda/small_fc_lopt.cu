@@ -110,22 +110,93 @@ __device__ __forceinline__ void add_at(float* base, uint64_t idx, float v, bool 
 
 }  // namespace
 
+// Shared-memory slots per reduction for a run's partial sums, and chunks per run.
+constexpr int SLOTS = 4096;
+constexpr uint32_t RUN = 8;
+
+namespace {
+
+// Where one run's squares go for one of the two reductions. The run (up to RUN consecutive
+// chunks of one tensor) adds into shared-memory slots when its indices span at most SLOTS values
+// ((quotients spanned) x inner), and flushes each slot with one global atomic; otherwise straight
+// into the global sums. Either way lanes of a warp that share an index add once.
+struct Reduction {
+    Divisor inner, outer;
+    float* sums;
+    uint64_t lo, range;
+    bool shared;
+
+    __device__ __forceinline__ Reduction(const Divisor& in, const Divisor& out, float* sums_, uint64_t start,
+                                         uint64_t end, bool wide)
+        : inner(in), outer(out), sums(sums_) {
+        const uint64_t q_lo = quotient(start, out, wide), q_hi = quotient(end - 1, out, wide);
+        lo = q_lo * in.d;
+        range = (q_hi - q_lo + 1) * in.d;
+        shared = range <= SLOTS;
+    }
+};
+
+// Sums of g^2 of elements [start, end) of matrix m into its row and column sums.
+__device__ __forceinline__ void square_sums_span(const LoptMeta& m, const float* __restrict__ g, uint64_t start,
+                                                 uint64_t end, const Buffers& buf, float (*slots)[SLOTS]) {
+    const uint32_t lane = threadIdx.x & 31;
+    const Reduction red[2] = {Reduction(m.inner0, m.outer0, buf.row_sum + m.row_sum, start, end, m.wide),
+                              Reduction(m.inner1, m.outer1, buf.col_sum + m.col_sum, start, end, m.wide)};
+    const bool any_shared = red[0].shared || red[1].shared;
+    if (any_shared) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (!red[r].shared) continue;
+            for (uint32_t j = threadIdx.x; j < red[r].range; j += THREADS) slots[r][j] = 0.0f;
+        }
+        __syncthreads();
+    }
+    for (uint64_t base = start + (threadIdx.x & ~31u); base < end; base += THREADS) {
+        const uint64_t e = base + lane;
+        const bool active = e < end;
+        const float v = active ? g[e] * g[e] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint64_t idx = drop_axis(e, red[r].inner, red[r].outer, m.wide);
+            if (red[r].shared) {
+                add_at(slots[r], idx - red[r].lo, v, active);
+            } else {
+                add_at(red[r].sums, idx, v, active);
+            }
+        }
+    }
+    if (any_shared) {
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (!red[r].shared) continue;
+            for (uint32_t j = threadIdx.x; j < red[r].range; j += THREADS) {
+                const float v = slots[r][j];
+                if (v != 0.0f) atomicAdd(red[r].sums + red[r].lo + j, v);
+            }
+        }
+        __syncthreads();  // the slots are free for the next span
+    }
+}
+
+}  // namespace
+
+// Blocks take runs of RUN consecutive chunks (a span per tensor in the run).
 extern "C" __global__ void __launch_bounds__(THREADS)
     lopt_square_sums(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
                      uint32_t first, StepTensors ptrs, Buffers buf) {
-    const uint32_t lane = threadIdx.x & 31;
-    for (uint32_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        const Chunk ch = chunks[c];
-        const LoptMeta& m = meta[ch.tensor];
-        const float* __restrict__ g = ptrs.grad[ch.tensor - first];
-        if (!m.factored || g == nullptr) continue;
-        const uint64_t end = min(ch.start + CHUNK, m.n);
-        for (uint64_t base = ch.start + (threadIdx.x & ~31u); base < end; base += THREADS) {
-            const uint64_t e = base + lane;
-            const bool active = e < end;
-            const float v = active ? g[e] * g[e] : 0.0f;
-            add_at(buf.row_sum + m.row_sum, drop_axis(e, m.inner0, m.outer0, m.wide), v, active);
-            add_at(buf.col_sum + m.col_sum, drop_axis(e, m.inner1, m.outer1, m.wide), v, active);
+    __shared__ float slots[2][SLOTS];
+    for (uint32_t run = blockIdx.x * RUN; run < n_chunks; run += gridDim.x * RUN) {
+        const uint32_t run_end = min(run + RUN, n_chunks);
+        for (uint32_t c = run; c < run_end;) {
+            const Chunk ch = chunks[c];
+            uint32_t last = c;
+            while (last + 1 < run_end && chunks[last + 1].tensor == ch.tensor) ++last;
+            c = last + 1;
+            const LoptMeta& m = meta[ch.tensor];
+            const float* __restrict__ g = ptrs.grad[ch.tensor - first];
+            if (!m.factored || g == nullptr) continue;
+            square_sums_span(m, g, ch.start, min(chunks[last].start + CHUNK, m.n), buf, slots);
         }
     }
 }
@@ -180,14 +251,44 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 namespace {
 
-// One element after this step's accumulator updates.
-struct Element {
+// One element's inputs, as loaded: gradient, parameter, the stored accumulators and, for
+// matrices, its row / column accumulators and factors. Loaded one iteration ahead of their use,
+// so the loads stay in flight across the previous element's arithmetic.
+struct Inputs {
     float g, p, m[3], v, full[3];
+    float row[3], col[3], row_factor[3], col_factor[3];
 };
 
-// The 28 normalised-feature inputs of element e (spec order), before the per-tensor scaling.
-__device__ __forceinline__ void features(const LoptMeta& t, const Buffers& buf, uint64_t e, const Element& s,
-                                         float (&x)[FEATURES]) {
+__device__ __forceinline__ Inputs load_inputs(const LoptMeta& t, const Buffers& buf, const float* grad,
+                                              const float* param, uint64_t e) {
+    Inputs s;
+    s.g = grad[e];
+    s.p = param[e];
+    const float* state = buf.elem + t.elem;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) s.m[k] = state[k * t.n + e];
+    s.v = state[3 * t.n + e];
+    if (t.factored) {
+        const uint64_t r = drop_axis(e, t.inner0, t.outer0, t.wide);
+        const uint64_t c = drop_axis(e, t.inner1, t.outer1, t.wide);
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const uint64_t ri = t.row + k * t.rows + r, ci = t.col + k * t.cols + c;
+            s.row[k] = buf.row[ri];
+            s.col[k] = buf.col[ci];
+            s.row_factor[k] = buf.row_factor[ri];
+            s.col_factor[k] = buf.col_factor[ci];
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 3; ++k) s.full[k] = buf.full[t.full + k * t.n + e];
+    }
+    return s;
+}
+
+// The 28 normalised-feature inputs (spec order) from an element whose accumulators hold this
+// step's values, before the per-tensor scaling.
+__device__ __forceinline__ void features(bool factored, const Inputs& s, float (&x)[FEATURES]) {
     const float g = s.g;
     const float rsqrt_v = 1.0f / sqrtf(s.v + 1e-6f);
     x[0] = g;
@@ -199,14 +300,11 @@ __device__ __forceinline__ void features(const LoptMeta& t, const Buffers& buf, 
     }
     x[5] = s.v;
     x[9] = rsqrt_v;
-    if (t.factored) {
-        const uint64_t r = drop_axis(e, t.inner0, t.outer0, t.wide);
-        const uint64_t c = drop_axis(e, t.inner1, t.outer1, t.wide);
+    if (factored) {
 #pragma unroll
         for (int k = 0; k < 3; ++k) {
-            const uint64_t ri = t.row + k * t.rows + r, ci = t.col + k * t.cols + c;
-            const float rf = buf.row_factor[ri], cf = buf.col_factor[ci];
-            const float rk = buf.row[ri], ck = buf.col[ci];
+            const float rf = s.row_factor[k], cf = s.col_factor[k];
+            const float rk = s.row[k], ck = s.col[k];
             x[10 + k] = g * rf * cf;
             x[13 + k] = rk;
             x[16 + k] = ck;
@@ -226,23 +324,6 @@ __device__ __forceinline__ void features(const LoptMeta& t, const Buffers& buf, 
             x[25 + k] = s.m[k] / sqrtf(f + 1e-6f);
         }
     }
-}
-
-// Element e of tensor t with its accumulators as stored.
-__device__ __forceinline__ Element load_element(const LoptMeta& t, const Buffers& buf, const float* grad,
-                                                const float* param, uint64_t e) {
-    Element s;
-    s.g = grad[e];
-    s.p = param[e];
-    const float* state = buf.elem + t.elem;
-#pragma unroll
-    for (int k = 0; k < 3; ++k) s.m[k] = state[k * t.n + e];
-    s.v = state[3 * t.n + e];
-    if (!t.factored) {
-#pragma unroll
-        for (int k = 0; k < 3; ++k) s.full[k] = buf.full[t.full + k * t.n + e];
-    }
-    return s;
 }
 
 // Adds the block's sums of squared features into out[0..28] and clears acc.
@@ -288,8 +369,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         float* param = ptrs.param[ch.tensor - first];
         float* state = buf.elem + t.elem;
         const uint64_t end = min(ch.start + CHUNK, t.n);
-        for (uint64_t e = ch.start + threadIdx.x; e < end; e += THREADS) {
-            Element s = load_element(t, buf, grad, param, e);
+        uint64_t e = ch.start + threadIdx.x;
+        Inputs next;
+        if (e < end) next = load_inputs(t, buf, grad, param, e);
+        for (; e < end; e += THREADS) {
+            Inputs s = next;
+            if (e + THREADS < end) next = load_inputs(t, buf, grad, param, e + THREADS);
             const float g2 = s.g * s.g;
 #pragma unroll
             for (int k = 0; k < 3; ++k) {
@@ -306,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 }
             }
             float x[FEATURES];
-            features(t, buf, e, s, x);
+            features(t.factored, s, x);
 #pragma unroll
             for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
         }
@@ -363,13 +448,23 @@ __device__ __forceinline__ void mlp_fma(const float* w, float (&x)[FEATURES], fl
 }
 
 // ---- f16 tensor cores: a warp evaluates 32 elements as two 16-row tiles of mma.m16n8k16 with
-// f32 accumulation. Rows are elements, so each layer's accumulator fragment is, element for
-// element, the next layer's A fragment (no data movement between layers); the weights are the
-// B fragments, held in registers for the whole launch.
+// f32 accumulation. Rows are elements, so the first layer's accumulator fragment is, element
+// for element, the second layer's A fragment (no data movement between layers); the weights are
+// B fragments held in registers for the whole launch. The output layer (32 -> 2) runs in f32
+// FMAs on the second layer's f32 accumulators, so the direction sees no f16 rounding of its
+// own. A layer marked SPLIT splits each operand v into hi = f16(v) and lo = f16(v - hi) and
+// sums hi.hi + hi.lo + lo.hi (22 significant bits per operand, at three times the mma count).
 
-__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
+// hi and lo halves of (a, b), packed as the mma's f16 pairs.
+struct Split2 {
+    uint32_t hi, lo;
+};
+
+__device__ __forceinline__ Split2 split_half2(float a, float b) {
+    const __half2 hi = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(hi);
+    const __half2 lo = __floats2half2_rn(a - back.x, b - back.y);
+    return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -380,81 +475,113 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], c
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Feature rows of the warp's 32 elements in f16: 32 k-slots (features 0..27, then zeros), padded
-// to 40 so that neither the row stores nor ldmatrix's 8-row reads conflict on banks.
-constexpr int TILE_STRIDE = 40;
+// Feature rows of the warp's 32 elements: 32 hi k-slots (features 0..27, a constant 1 that
+// carries the first layer's bias, zeros), then the 32 lo slots; padded to 72 halves so that
+// neither the row stores nor ldmatrix's 8-row reads conflict on banks.
+constexpr int BIAS_SLOT = FEATURES;
+constexpr int TILE_STRIDE = 72;
 
-// Two resident blocks per SM (at most 128 registers): the loads of one hide behind the other's MLP.
-constexpr int UPDATE_BLOCKS_PER_SM = 2;
+// A layer's B fragments ([k tile][n tile][register]), hi and lo.
+struct LayerWeights {
+    uint32_t hi[2][4][2], lo[2][4][2];
+};
+
+// A 16-row tile's A fragments ([k tile][register]), hi and lo.
+struct SplitA {
+    uint32_t hi[2][4], lo[2][4];
+};
 
 struct MmaWeights {
-    uint32_t w_in[2][4][2];  // [k tile][n tile][register]
-    uint32_t w_1[2][4][2];
-    uint32_t w_out[2][2];
-    float b_in[4][2], b_1[4][2], b_out[2];
+    LayerWeights w_in, w_1;
+    float b_1[4][2];
+    float w_out[2][4][2];  // [direction / magnitude][n tile][column 2 t + j]
+    float b_out[2];
 
-    // B fragment (k = 2 t + {0, 1} and 2 t + 8 + {0, 1}, n = g) and the accumulator's column bias
-    // (columns 2 t + {0, 1}), with g = lane / 4 and t = lane % 4.
+    // B fragments (k = 2 t + {0, 1} and 2 t + 8 + {0, 1}, n = g), and the bias and output weights
+    // of the accumulator columns this lane holds (2 t + {0, 1} of each n tile), with g = lane / 4
+    // and t = lane % 4.
     __device__ __forceinline__ explicit MmaWeights(const float* __restrict__ mlp) {
         const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-        auto w_in_at = [&](int k, int n) { return k < FEATURES ? mlp[W_IN + n * FEATURES + k] : 0.0f; };
+        auto w_in_at = [&](int k, int n) {
+            return k < FEATURES ? mlp[W_IN + n * FEATURES + k] : k == BIAS_SLOT ? mlp[B_EFF + n] : 0.0f;
+        };
         auto w_1_at = [&](int k, int n) { return mlp[W_1 + n * HIDDEN + k]; };
-        auto w_out_at = [&](int k, int n) { return n < 2 ? mlp[W_OUT + n * HIDDEN + k] : 0.0f; };
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
             const int k = kt * 16 + 2 * t;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 const int n = nt * 8 + g;
-                w_in[kt][nt][0] = pack_half2(w_in_at(k, n), w_in_at(k + 1, n));
-                w_in[kt][nt][1] = pack_half2(w_in_at(k + 8, n), w_in_at(k + 9, n));
-                w_1[kt][nt][0] = pack_half2(w_1_at(k, n), w_1_at(k + 1, n));
-                w_1[kt][nt][1] = pack_half2(w_1_at(k + 8, n), w_1_at(k + 9, n));
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const Split2 in = split_half2(w_in_at(k + 8 * r, n), w_in_at(k + 8 * r + 1, n));
+                    const Split2 one = split_half2(w_1_at(k + 8 * r, n), w_1_at(k + 8 * r + 1, n));
+                    w_in.hi[kt][nt][r] = in.hi;
+                    w_in.lo[kt][nt][r] = in.lo;
+                    w_1.hi[kt][nt][r] = one.hi;
+                    w_1.lo[kt][nt][r] = one.lo;
+                }
             }
-            w_out[kt][0] = pack_half2(w_out_at(k, g), w_out_at(k + 1, g));
-            w_out[kt][1] = pack_half2(w_out_at(k + 8, g), w_out_at(k + 9, g));
         }
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                b_in[nt][j] = mlp[B_EFF + nt * 8 + 2 * t + j];
-                b_1[nt][j] = mlp[B_1 + nt * 8 + 2 * t + j];
+                const int col = nt * 8 + 2 * t + j;
+                b_1[nt][j] = mlp[B_1 + col];
+                w_out[0][nt][j] = mlp[W_OUT + col];
+                w_out[1][nt][j] = mlp[W_OUT + HIDDEN + col];
             }
         }
-        b_out[0] = t == 0 ? mlp[B_OUT] : 0.0f;
-        b_out[1] = t == 0 ? mlp[B_OUT + 1] : 0.0f;
+        b_out[0] = mlp[B_OUT];
+        b_out[1] = mlp[B_OUT + 1];
     }
 };
 
-// One dense layer on a 16-row tile: acc[n tile] = bias + a . W.
-__device__ __forceinline__ void dense(const uint32_t (&a)[2][4], const uint32_t (&w)[2][4][2], const float (&bias)[4][2],
-                                      float (&acc)[4][4]) {
+// acc[n tile] (holding its bias on entry) += a . W for one 16-row tile.
+template <bool SPLIT>
+__device__ __forceinline__ void dense(const SplitA& a, const LayerWeights& w, float (&acc)[4][4]) {
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-        acc[nt][0] = acc[nt][2] = bias[nt][0];
-        acc[nt][1] = acc[nt][3] = bias[nt][1];
+    for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
-        for (int kt = 0; kt < 2; ++kt) mma_f16(acc[nt], a[kt], w[kt][nt]);
+        for (int nt = 0; nt < 4; ++nt) {
+            if constexpr (SPLIT) {
+                mma_f16(acc[nt], a.lo[kt], w.hi[kt][nt]);
+                mma_f16(acc[nt], a.hi[kt], w.lo[kt][nt]);
+            }
+            mma_f16(acc[nt], a.hi[kt], w.hi[kt][nt]);
+        }
     }
 }
 
-// relu of an accumulator tile as the next layer's A fragments: n tiles 2 kt and 2 kt + 1 are k
-// tile kt's columns 0..7 and 8..15.
-__device__ __forceinline__ void relu_to_a(const float (&acc)[4][4], uint32_t (&a)[2][4]) {
+// relu of the first layer's accumulators as the second layer's A fragments: n tiles 2 kt and
+// 2 kt + 1 are k tile kt's columns 0..7 and 8..15.
+__device__ __forceinline__ void relu_to_a(const float (&acc)[4][4], SplitA& a) {
 #pragma unroll
     for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float(&c)[4] = acc[2 * kt + h];
-            a[kt][2 * h] = pack_half2(relu_keep_nan(c[0]), relu_keep_nan(c[1]));
-            a[kt][2 * h + 1] = pack_half2(relu_keep_nan(c[2]), relu_keep_nan(c[3]));
+            const Split2 top = split_half2(relu_keep_nan(c[0]), relu_keep_nan(c[1]));
+            const Split2 bottom = split_half2(relu_keep_nan(c[2]), relu_keep_nan(c[3]));
+            a.hi[kt][2 * h] = top.hi;
+            a.lo[kt][2 * h] = top.lo;
+            a.hi[kt][2 * h + 1] = bottom.hi;
+            a.lo[kt][2 * h + 1] = bottom.lo;
         }
     }
 }
 
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __half* src) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 // The warp's 32 elements (lane = element, x already normalised; zeros for idle lanes) through the
 // MLP; each lane gets its element's direction and magnitude.
+template <bool SPLIT_IN, bool SPLIT_HIDDEN>
 __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE_STRIDE], const float (&x)[FEATURES],
                                         float& direction, float& magnitude) {
     const int lane = threadIdx.x & 31;
@@ -462,45 +589,68 @@ __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE
     uint4* row = reinterpret_cast<uint4*>(tile[lane]);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        uint32_t v[4];
+        uint32_t hi[4], lo[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int f = q * 8 + 2 * j;
-            v[j] = f < FEATURES ? pack_half2(x[f], x[f + 1]) : 0u;
+            const float a = f < FEATURES ? x[f] : f == BIAS_SLOT ? 1.0f : 0.0f;
+            const float b = f + 1 < FEATURES ? x[f + 1] : 0.0f;
+            const Split2 v = split_half2(a, b);
+            hi[j] = v.hi;
+            lo[j] = v.lo;
         }
-        row[q] = make_uint4(v[0], v[1], v[2], v[3]);
+        row[q] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        if (SPLIT_IN) row[4 + q] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
     __syncwarp();
-    float out[2][4];
+    float out[2][4];  // [tile][direction, magnitude of row g; of row g + 8]
+    const int m = lane >> 3;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-        uint32_t a[2][4];
-        const int m = lane >> 3;
+        SplitA a;
+        const __half* src = tile[mt * 16 + (m & 1) * 8 + (lane & 7)] + (m >> 1) * 8;
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
-            const __half* src = &tile[mt * 16 + (m & 1) * 8 + (lane & 7)][kt * 16 + (m >> 1) * 8];
-            const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(src));
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(a[kt][0]), "=r"(a[kt][1]), "=r"(a[kt][2]), "=r"(a[kt][3])
-                         : "r"(addr));
+            ldmatrix_x4(a.hi[kt], src + kt * 16);
+            if (SPLIT_IN) ldmatrix_x4(a.lo[kt], src + 32 + kt * 16);
         }
-        float acc[4][4];
-        dense(a, w.w_in, w.b_in, acc);
+        float acc[4][4] = {};  // the first layer's bias rides in the constant slot
+        dense<SPLIT_IN>(a, w.w_in, acc);
         relu_to_a(acc, a);
-        dense(a, w.w_1, w.b_1, acc);
-        relu_to_a(acc, a);
-        out[mt][0] = out[mt][2] = w.b_out[0];
-        out[mt][1] = out[mt][3] = w.b_out[1];
 #pragma unroll
-        for (int kt = 0; kt < 2; ++kt) mma_f16(out[mt], a[kt], w.w_out[kt]);
+        for (int nt = 0; nt < 4; ++nt) {
+            acc[nt][0] = acc[nt][2] = w.b_1[nt][0];
+            acc[nt][1] = acc[nt][3] = w.b_1[nt][1];
+        }
+        dense<SPLIT_HIDDEN>(a, w.w_1, acc);
+        // Output layer: this lane's 8 columns of rows g and g + 8, then the quad's sum.
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const float top = relu_keep_nan(acc[nt][j]), bottom = relu_keep_nan(acc[nt][2 + j]);
+                o[0] = fmaf(w.w_out[0][nt][j], top, o[0]);
+                o[1] = fmaf(w.w_out[1][nt][j], top, o[1]);
+                o[2] = fmaf(w.w_out[0][nt][j], bottom, o[2]);
+                o[3] = fmaf(w.w_out[1][nt][j], bottom, o[3]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            o[i] += __shfl_xor_sync(FULL_MASK, o[i], 1);
+            o[i] += __shfl_xor_sync(FULL_MASK, o[i], 2);
+            out[mt][i] = o[i] + w.b_out[i & 1];
+        }
     }
-    // Columns 0 / 1 (direction / magnitude) of row r of tile mt sit in lane 4 (r % 8), registers
-    // 2 (r / 8) and 2 (r / 8) + 1.
-    const int src = (lane & 7) * 4, upper = (lane >> 3) & 1, tile_of_lane = lane >> 4;
+    // Row r of tile mt sits in the quad of lane 4 (r % 8), entries 2 (r / 8) and 2 (r / 8) + 1.
+    const int src_lane = (lane & 7) * 4, upper = (lane >> 3) & 1, tile_of_lane = lane >> 4;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-        const float d0 = __shfl_sync(FULL_MASK, out[mt][0], src), m0 = __shfl_sync(FULL_MASK, out[mt][1], src);
-        const float d1 = __shfl_sync(FULL_MASK, out[mt][2], src), m1 = __shfl_sync(FULL_MASK, out[mt][3], src);
+        const float d0 = __shfl_sync(FULL_MASK, out[mt][0], src_lane);
+        const float m0 = __shfl_sync(FULL_MASK, out[mt][1], src_lane);
+        const float d1 = __shfl_sync(FULL_MASK, out[mt][2], src_lane);
+        const float m1 = __shfl_sync(FULL_MASK, out[mt][3], src_lane);
         if (mt == tile_of_lane) {
             direction = upper ? d1 : d0;
             magnitude = upper ? m1 : m0;
@@ -516,11 +666,12 @@ struct FmaMlp {
     }
 };
 
+template <bool SPLIT_IN, bool SPLIT_HIDDEN>
 struct MmaMlp {
     MmaWeights w;
     __half (*tile)[TILE_STRIDE];  // this warp's feature rows
     __device__ __forceinline__ void operator()(float (&x)[FEATURES], float& direction, float& magnitude) const {
-        mlp_mma(w, tile, x, direction, magnitude);
+        mlp_mma<SPLIT_IN, SPLIT_HIDDEN>(w, tile, x, direction, magnitude);
     }
 };
 
@@ -542,14 +693,19 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
         float* param = ptrs.param[ch.tensor - first];
         const uint64_t end = min(ch.start + CHUNK, t.n);
         // Warp-uniform trip count: the tensor-core path needs every lane in every mma.
-        for (uint64_t base = ch.start + warp * 32; base < end; base += THREADS) {
+        uint64_t base = ch.start + warp * 32;
+        Inputs next;
+        bool next_active = base + lane < end;
+        if (next_active) next = load_inputs(t, buf, grad, param, base + lane);
+        for (; base < end; base += blockDim.x) {
             const uint64_t e = base + lane;
-            const bool active = e < end;
+            const bool active = next_active;
+            const Inputs s = next;
+            next_active = e + blockDim.x < end;
+            if (next_active) next = load_inputs(t, buf, grad, param, e + blockDim.x);
             float x[FEATURES];
-            Element s{};
             if (active) {
-                s = load_element(t, buf, grad, param, e);
-                features(t, buf, e, s, x);
+                features(t.factored, s, x);
 #pragma unroll
                 for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
             } else {
@@ -565,16 +721,22 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS, UPDATE_BLOCKS_PER_SM)
-    lopt_update_mma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
-                    uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
-    __shared__ float norm[FEATURES];
-    __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];
-    const MmaMlp eval{MmaWeights(mlp), tiles[threadIdx.x >> 5]};
-    update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);
-}
+// Tensor-core update kernels, one per choice of split layers: `lopt_update_mma_<in><hidden>`.
+#define LOPT_UPDATE_MMA(SPLIT_IN, SPLIT_HIDDEN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS) lopt_update_mma_##SPLIT_IN##SPLIT_HIDDEN(               \
+        const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first, \
+        StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {                                \
+        __shared__ float norm[FEATURES];                                                                        \
+        __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                          \
+        const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{MmaWeights(mlp), tiles[threadIdx.x >> 5]};                    \
+        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);                                        \
+    }
+LOPT_UPDATE_MMA(0, 0)
+LOPT_UPDATE_MMA(0, 1)
+LOPT_UPDATE_MMA(1, 0)
+LOPT_UPDATE_MMA(1, 1)
 
-extern "C" __global__ void __launch_bounds__(THREADS, UPDATE_BLOCKS_PER_SM)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_fma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
                     uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
     __shared__ float norm[FEATURES];

@@ -21,6 +21,8 @@ const GROUP: usize = 128;
 /// Elements per chunk (`CHUNK` in the kernels).
 const CHUNK: usize = 8192;
 const THREADS: u32 = 256;
+/// Chunks per work item of the square-sum kernel (`RUN` there).
+const SQUARE_SUM_RUN: u32 = 8;
 
 /// Division by a constant as the kernels do it: `(umulhi(n, magic) + n) >> shift` for `n < 2^32`
 /// (the round-up method, exact for every 32-bit `n`), a 64-bit division for wide tensors.
@@ -396,11 +398,14 @@ impl DeviceState {
         let factors = Kernel::load(dev, Module::SmallFcLOpt, "lopt_factors")?;
         let stats = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
         let update_name = if tensor_cores {
-            "lopt_update_mma"
+            // Which layers split their f16 operands (bit 1: input layer, bit 0: hidden layer);
+            // both by default, other choices for accuracy / speed studies.
+            let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3);
+            format!("lopt_update_mma_{}{}", (split >> 1) & 1, split & 1)
         } else {
-            "lopt_update_fma"
+            "lopt_update_fma".to_string()
         };
-        let update = Kernel::load(dev, Module::SmallFcLOpt, update_name)?;
+        let update = Kernel::load(dev, Module::SmallFcLOpt, &update_name)?;
         let sms = crate::cuda::sm_count(dev)?;
         let grid = |kernel: &Kernel, blocks: u32| -> Result<LaunchConfig> {
             let resident = kernel.resident_blocks_per_sm(THREADS, 0)?;
@@ -432,14 +437,17 @@ impl DeviceState {
             // is a live contiguous f32 buffer of its tensor's element count, and the state,
             // factor and scratch buffers were sized from the same table.
             unsafe {
-                square_sums.launch(grid(&square_sums, n_chunks)?, |a| {
-                    a.arg(&meta)
-                        .arg(&chunks)
-                        .arg(&n_chunks)
-                        .arg(&first)
-                        .arg(&tensors)
-                        .arg(&buffers);
-                })?;
+                square_sums.launch(
+                    grid(&square_sums, n_chunks.div_ceil(SQUARE_SUM_RUN))?,
+                    |a| {
+                        a.arg(&meta)
+                            .arg(&chunks)
+                            .arg(&n_chunks)
+                            .arg(&first)
+                            .arg(&tensors)
+                            .arg(&buffers);
+                    },
+                )?;
                 factors.launch(grid(&factors, count)?, |a| {
                     a.arg(&meta)
                         .arg(&first)
