@@ -9,7 +9,7 @@
 //! | [`masked_bmm`] / [`masked_bmm_with_plan`] / [`MaskPlan`] | batched matmul masked by a u8 mask, fully masked tiles skipped | implemented (f32 FMA or opt-in TF32; f16/bf16 on tensor cores) |
 //! | [`argmin_matmul`] / [`kmeans_assign`] | argmin over the columns of `a . b` without materialising it (k-means assignment) | implemented (same precision modes) |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
-//! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer`: fused per-element passes (CPU threads, CUDA kernels), state save/load | implemented (multi-tensor launches planned) |
+//! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer`: fused per-element passes (CPU threads; on CUDA one multi-tensor step with the MLP on tensor cores), state save/load | implemented |
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};

@@ -349,7 +349,7 @@ __device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*parti
 
 // Updates every element's accumulators in place (they hold the previous step's on entry) and adds
 // the squares of its features into feat_sum[tensor * 28 + f] (zeroed by the host).
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
     lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
                StepTensors ptrs, Buffers buf, Decays d) {
     __shared__ float partial[WARPS][FEATURES];
@@ -538,18 +538,22 @@ struct MmaWeights {
     }
 };
 
-// acc[n tile] (holding its bias on entry) += a . W for one 16-row tile.
+// acc[tile][n tile] (holding its bias on entry) += a . W for both 16-row tiles, interleaved so
+// that each warp keeps eight independent accumulator chains in flight.
 template <bool SPLIT>
-__device__ __forceinline__ void dense(const SplitA& a, const LayerWeights& w, float (&acc)[4][4]) {
+__device__ __forceinline__ void dense(const SplitA (&a)[2], const LayerWeights& w, float (&acc)[2][4][4]) {
 #pragma unroll
     for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-            if constexpr (SPLIT) {
-                mma_f16(acc[nt], a.lo[kt], w.hi[kt][nt]);
-                mma_f16(acc[nt], a.hi[kt], w.lo[kt][nt]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                if constexpr (SPLIT) {
+                    mma_f16(acc[mt][nt], a[mt].lo[kt], w.hi[kt][nt]);
+                    mma_f16(acc[mt][nt], a[mt].hi[kt], w.lo[kt][nt]);
+                }
+                mma_f16(acc[mt][nt], a[mt].hi[kt], w.hi[kt][nt]);
             }
-            mma_f16(acc[nt], a.hi[kt], w.hi[kt][nt]);
         }
     }
 }
@@ -605,31 +609,37 @@ __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE
     __syncwarp();
     float out[2][4];  // [tile][direction, magnitude of row g; of row g + 8]
     const int m = lane >> 3;
+    SplitA a[2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-        SplitA a;
         const __half* src = tile[mt * 16 + (m & 1) * 8 + (lane & 7)] + (m >> 1) * 8;
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
-            ldmatrix_x4(a.hi[kt], src + kt * 16);
-            if (SPLIT_IN) ldmatrix_x4(a.lo[kt], src + 32 + kt * 16);
+            ldmatrix_x4(a[mt].hi[kt], src + kt * 16);
+            if (SPLIT_IN) ldmatrix_x4(a[mt].lo[kt], src + 32 + kt * 16);
         }
-        float acc[4][4] = {};  // the first layer's bias rides in the constant slot
-        dense<SPLIT_IN>(a, w.w_in, acc);
-        relu_to_a(acc, a);
+    }
+    float acc[2][4][4] = {};  // the first layer's bias rides in the constant slot
+    dense<SPLIT_IN>(a, w.w_in, acc);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        relu_to_a(acc[mt], a[mt]);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-            acc[nt][0] = acc[nt][2] = w.b_1[nt][0];
-            acc[nt][1] = acc[nt][3] = w.b_1[nt][1];
+            acc[mt][nt][0] = acc[mt][nt][2] = w.b_1[nt][0];
+            acc[mt][nt][1] = acc[mt][nt][3] = w.b_1[nt][1];
         }
-        dense<SPLIT_HIDDEN>(a, w.w_1, acc);
+    }
+    dense<SPLIT_HIDDEN>(a, w.w_1, acc);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
         // Output layer: this lane's 8 columns of rows g and g + 8, then the quad's sum.
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const float top = relu_keep_nan(acc[nt][j]), bottom = relu_keep_nan(acc[nt][2 + j]);
+                const float top = relu_keep_nan(acc[mt][nt][j]), bottom = relu_keep_nan(acc[mt][nt][2 + j]);
                 o[0] = fmaf(w.w_out[0][nt][j], top, o[0]);
                 o[1] = fmaf(w.w_out[1][nt][j], top, o[1]);
                 o[2] = fmaf(w.w_out[0][nt][j], bottom, o[2]);

@@ -4,11 +4,13 @@
 //! `direction * exp(exp_mult * magnitude) * step_mult`. The algorithm follows
 //! `../shared/specs/small_fc_lopt.md` (PyLO's naive version); tests replay its golden vectors.
 //!
-//! A step per tensor: for matrices the small per-row / per-column Adafactor tensors with candle
-//! ops, then two fused per-element passes (`fused.rs`: CPU threads or CUDA kernels) — the first
-//! updates the momenta / rms (/ vector Adafactor) accumulators and sums the squared features, the
-//! second rebuilds the features, runs the MLP and writes the parameter — so the `[39, n]` features
-//! never exist in memory. `ParamsSmallFcLOpt::fused = false` selects the reference built from
+//! CPU, per tensor: for matrices the small per-row / per-column Adafactor tensors with candle
+//! ops, then two fused per-element passes (`fused.rs`, rayon) — the first updates the momenta /
+//! rms (/ vector Adafactor) accumulators and sums the squared features, the second rebuilds the
+//! features, runs the MLP and writes the parameter — so the `[39, n]` features never exist in
+//! memory. CUDA: the same passes, plus the Adafactor reductions, as four kernels over all
+//! tensors at once, on state kept in flat device buffers and updated in place
+//! (`multi_tensor.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
 //! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
 use super::fused::{self, FusedFactors, FusedTensor};
@@ -159,10 +161,12 @@ pub struct ParamsSmallFcLOpt {
     /// materialise the features. `false`: the reference built from candle ops, which stacks the
     /// `[28, n]` features and `[32, n]` activations of each tensor (for testing).
     pub fused: bool,
-    /// CUDA, fused path: evaluate the MLP on f16 tensor cores with f32 accumulation (default,
-    /// several times faster: features and activations rounded to f16, relative error of the
-    /// step around 1e-4, see BENCHMARKS.md) instead of exact f32 FMAs. Ignored on the CPU,
-    /// which is always exact.
+    /// CUDA, fused path: evaluate the MLP's two 32-wide layers on f16 tensor cores (default)
+    /// instead of f32 FMAs. Every operand is split into two f16 halves and the three significant
+    /// products are accumulated in f32, so the result matches f32 arithmetic closely (the
+    /// golden vectors to 1e-4, see BENCHMARKS.md) at a fraction of the FMA path's time. A
+    /// single f16 rounding per operand was measured at 1.2-2.5e-4 against the golden vectors,
+    /// too coarse, so there is no cheaper mode. Ignored on the CPU, which always uses f32.
     pub tensor_cores: bool,
     /// The MLP.
     pub mlp: MlpWeights,
