@@ -617,32 +617,28 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
         // Bytes per element per step: read p, g, 4 state; write p, 4 state (twice over the
         // elementwise state: the accumulators are updated, then read again by both passes).
         let bytes = params as f64 * 4.0 * 18.0;
-        let mut lopt = SmallFcLOpt::new(vars.clone(), ParamsSmallFcLOpt::new(mlp.clone()))?;
-        let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
-        b.compare(
-            OP,
-            &format!("{name} step (fused)"),
-            DType::F32,
-            Work::Bytes(bytes),
-            || lopt.step(&grads),
-            "candle_nn AdamW step",
-            || adamw.step(&grads),
-        )?;
-        if dev.is_cuda() {
-            let mut exact = ParamsSmallFcLOpt::new(mlp.clone());
-            exact.tensor_cores = false;
-            let mut lopt = SmallFcLOpt::new(vars.clone(), exact)?;
+        // CUDA also times the exact f32 MLP (`tensor_cores = false`).
+        let modes: &[(&str, bool)] = if dev.is_cuda() {
+            &[("fused", true), ("fused, f32 FMA MLP", false)]
+        } else {
+            &[("fused", true)]
+        };
+        for &(mode, tensor_cores) in modes {
+            let mut params = ParamsSmallFcLOpt::new(mlp.clone());
+            params.tensor_cores = tensor_cores;
+            let mut lopt = SmallFcLOpt::new(vars.clone(), params)?;
             let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
             b.compare(
                 OP,
-                &format!("{name} step (fused, f32 FMA MLP)"),
+                &format!("{name} step ({mode})"),
                 DType::F32,
                 Work::Bytes(bytes),
                 || lopt.step(&grads),
                 "candle_nn AdamW step",
                 || adamw.step(&grads),
             )?;
-        } else {
+        }
+        if !dev.is_cuda() {
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
             params.fused = false;
             let mut composed = SmallFcLOpt::new(vars.clone(), params)?;

@@ -50,6 +50,17 @@ if [ "$total" -ge 64 ]; then
     echo "gpu-bundle: WARNING: ${total} MiB is over the 64 MiB carry limit; pass the binaries you need" >&2
 fi
 
+# Sourced by the scripts below: the CUDA libraries candle links (driver, cublas, cublasLt, curand,
+# nvrtc) wherever that machine keeps them.
+cat > "$bundle/libs.sh" <<'LIBS'
+libdirs=/usr/local/cuda/lib64
+for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
+    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
+done
+export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+LIBS
+
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the bundled GPU tests and bench. Usage: run.sh OUTDIR [bench filters...]
@@ -64,13 +75,7 @@ for f in "$here"/bin/*.xz; do
     xz -dc "$f" > "$work/$name" && chmod +x "$work/$name"
 done
 
-# candle links libcuda (driver), cublas, cublasLt, curand, nvrtc: add the folder of each.
-libdirs=/usr/local/cuda/lib64
-for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
-    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
-    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
-done
-export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$here/libs.sh"
 # The tests poison outputs themselves; the bench must not (a memset per output).
 unset CANDLE_FASTOPS_POISON
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
@@ -108,12 +113,7 @@ shift
 mkdir -p "$out"
 work=$(mktemp -d)
 xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/bench"
-libdirs=/usr/local/cuda/lib64
-for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
-    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
-    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
-done
-export LD_LIBRARY_PATH="$libdirs"
+source "$(dirname "$0")/libs.sh"
 for setting in "$@"; do
     echo "=== $setting" | tee -a "$out/sweep.log"
     (eval "export $setting"; FASTOPS_BENCH_OUT="$out/sweep.jsonl" "$work/bench" ${FILTER:-}) 2>&1 \
@@ -133,12 +133,7 @@ shift 4
 mkdir -p "$out"
 work=$(mktemp -d)
 xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/bench"
-libdirs=/usr/local/cuda/lib64
-for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
-    found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
-    [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
-done
-export LD_LIBRARY_PATH="$libdirs"
+source "$(dirname "$0")/libs.sh"
 ncu=$(command -v ncu || find /opt /usr/local -name ncu -type f 2>/dev/null | head -n1)
 "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
     --metrics gpu__time_duration.sum --csv "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"

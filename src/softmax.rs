@@ -318,35 +318,13 @@ mod cpu {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{alloc_output, sm_count, tuning, Kernel, Module};
+    use crate::cuda::{alloc_output, sm_count, tuning, FastDiv, Kernel, Module};
     use crate::reduce_plan::{Block, ReducePlan, MAX_BLOCKS};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::kernel_name;
     use candle_core::{bail, CudaDevice, Result, WithDType};
-
-    /// `n / divisor` for `n < 2^31` as `(umulhi(n, multiplier) + n) >> shift`.
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy, Default)]
-    struct FastDiv {
-        divisor: u32,
-        multiplier: u32,
-        shift: u32,
-    }
-
-    impl FastDiv {
-        fn new(divisor: usize) -> Self {
-            let d = divisor.max(1) as u64;
-            let shift = 64 - (d - 1).leading_zeros() as u64; // ceil(log2(d))
-            let multiplier = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
-            Self {
-                divisor: d as u32,
-                multiplier,
-                shift: shift as u32,
-            }
-        }
-    }
 
     /// Mirrors `ReduceLayout` in `softmax.cu`.
     #[repr(C)]

@@ -125,7 +125,23 @@ pub(crate) fn fill_bytes<T: DeviceRepr>(
     }
     let stream = dev.cuda_stream();
     let (ptr, _guard) = driver::DevicePtrMut::device_ptr_mut(buf, &stream);
-    // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`, on `stream`.
+    // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`.
+    unsafe { fill_bytes_at(dev, ptr, bytes, byte) }
+}
+
+/// Sets `bytes` bytes from device address `ptr` to `byte`, asynchronously on the device's stream.
+///
+/// # Safety
+/// `ptr` must address at least `bytes` bytes of live device memory that nothing reads or writes
+/// concurrently outside the device's stream.
+pub(crate) unsafe fn fill_bytes_at(
+    dev: &CudaDevice,
+    ptr: u64,
+    bytes: usize,
+    byte: u8,
+) -> Result<()> {
+    let stream = dev.cuda_stream();
+    // SAFETY: guaranteed by the caller.
     unsafe { driver::result::memset_d8_async(ptr, byte, bytes, stream.cu_stream()) }.w()?;
     Ok(())
 }
@@ -239,4 +255,76 @@ pub(crate) fn grid_stride_config(
         block_dim: (threads, 1, 1),
         shared_mem_bytes,
     })
+}
+
+/// Division by a launch constant as the kernels do it: `(umulhi(n, multiplier) + n) >> shift`
+/// (Granlund & Montgomery's round-up method). Exact for every 32-bit `n` when the addition is
+/// done in 64 bits, for `n < 2^31` in 32 bits. Divisors up to `u32::MAX`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct FastDiv {
+    pub divisor: u32,
+    pub multiplier: u32,
+    pub shift: u32,
+}
+
+impl FastDiv {
+    pub(crate) fn new(divisor: usize) -> Self {
+        let d = divisor.clamp(1, u32::MAX as usize) as u64;
+        let shift = 64 - (d - 1).leading_zeros() as u64; // ceil(log2(d)); 0 for d = 1
+        let multiplier = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
+        Self {
+            divisor: d as u32,
+            multiplier,
+            shift: shift as u32,
+        }
+    }
+
+    /// The kernels' quotient with the 64-bit addition (tests compare it with `/`).
+    #[cfg(test)]
+    fn div(&self, n: u32) -> u64 {
+        let hi = (n as u64 * self.multiplier as u64) >> 32;
+        (hi + n as u64) >> self.shift
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FastDiv;
+
+    #[test]
+    fn fast_div_quotients_are_exact() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut divisors: Vec<u64> = (1..=70).collect();
+        divisors.extend([
+            255,
+            256,
+            257,
+            1023,
+            1024,
+            4097,
+            50257,
+            (1 << 31) - 1,
+            1 << 31,
+            (1 << 31) + 1,
+            u32::MAX as u64 - 1,
+            u32::MAX as u64,
+        ]);
+        divisors.extend((0..200).map(|_| 1 + next() % u32::MAX as u64));
+        for d in divisors {
+            let v = FastDiv::new(d as usize);
+            let mut ns: Vec<u32> = vec![0, 1, u32::MAX, u32::MAX - 1, d as u32];
+            ns.extend((0..500).map(|_| next() as u32));
+            ns.extend((0..50).map(|_| ((next() % 1024) as u32).wrapping_mul(d as u32)));
+            for n in ns {
+                assert_eq!(v.div(n), n as u64 / d, "{n} / {d}");
+            }
+        }
+    }
 }

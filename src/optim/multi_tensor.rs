@@ -8,11 +8,10 @@
 //! accumulators + feature statistics, MLP + parameter update. Parameters are written in place.
 
 use super::fused::{Decays, Hyper, FEATURES, MLP_FLOATS};
-use crate::cuda::{Kernel, Module};
+use crate::cuda::{FastDiv, Kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};
 
 const OP: &str = "small_fc_lopt";
@@ -24,8 +23,8 @@ const THREADS: u32 = 256;
 /// Chunks per work item of the square-sum kernel (`RUN` there).
 const SQUARE_SUM_RUN: u32 = 8;
 
-/// Division by a constant as the kernels do it: `(umulhi(n, magic) + n) >> shift` for `n < 2^32`
-/// (the round-up method, exact for every 32-bit `n`), a 64-bit division for wide tensors.
+/// A per-tensor divisor: [`FastDiv`]'s multiply-high for 32-bit dividends, the plain 64-bit
+/// divisor for tensors of 2^32 elements or more (`wide`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct Divisor {
@@ -36,25 +35,20 @@ struct Divisor {
 
 impl Divisor {
     fn new(d: usize) -> Self {
-        let d = d.max(1) as u64;
-        if d > u32::MAX as u64 {
+        let d = d.max(1);
+        if d > u32::MAX as usize {
             // Only tensors of 2^32 elements or more have such axes, and those divide in 64 bits.
             return Self {
-                d,
-                magic: 0,
-                shift: 0,
+                d: d as u64,
+                ..Default::default()
             };
         }
-        let shift = 64 - (d - 1).leading_zeros(); // ceil(log2 d); 0 for d = 1
-        let magic = (((1u64 << 32) * ((1u64 << shift) - d)) / d + 1) as u32;
-        Self { d, magic, shift }
-    }
-
-    /// The kernels' quotient for a 32-bit `n` (tests compare it with `/`).
-    #[cfg(test)]
-    fn quotient(&self, n: u32) -> u64 {
-        let hi = (n as u64 * self.magic as u64) >> 32;
-        (hi + n as u64) >> self.shift
+        let fast = FastDiv::new(d);
+        Self {
+            d: d as u64,
+            magic: fast.multiplier,
+            shift: fast.shift,
+        }
     }
 }
 
@@ -384,16 +378,9 @@ impl DeviceState {
             });
         }
         let scratch_bytes = 4 * self.scratch.elem_count();
-        // SAFETY: `scratch` addresses the scratch tensor's f32 elements, on the device's stream.
-        unsafe {
-            candle_core::cuda_backend::cudarc::driver::result::memset_d8_async(
-                scratch,
-                0,
-                scratch_bytes,
-                stream.cu_stream(),
-            )
-        }
-        .w()?;
+        // SAFETY: `scratch` addresses the scratch tensor's f32 elements (read-locked above; only
+        // this step's kernels use it, on the device's stream).
+        unsafe { crate::cuda::fill_bytes_at(dev, scratch, scratch_bytes, 0) }?;
         let square_sums = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums")?;
         let factors = Kernel::load(dev, Module::SmallFcLOpt, "lopt_factors")?;
         let stats = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
@@ -406,14 +393,21 @@ impl DeviceState {
             "lopt_update_fma".to_string()
         };
         let update = Kernel::load(dev, Module::SmallFcLOpt, &update_name)?;
+        // Grid caps (resident blocks of each kernel), queried once per step.
         let sms = crate::cuda::sm_count(dev)?;
-        let grid = |kernel: &Kernel, blocks: u32| -> Result<LaunchConfig> {
-            let resident = kernel.resident_blocks_per_sm(THREADS, 0)?;
-            Ok(LaunchConfig {
-                grid_dim: (blocks.clamp(1, sms * resident), 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })
+        let cap = |kernel: &Kernel| -> Result<u32> {
+            Ok(sms * kernel.resident_blocks_per_sm(THREADS, 0)?)
+        };
+        let caps = [
+            cap(&square_sums)?,
+            cap(&factors)?,
+            cap(&stats)?,
+            cap(&update)?,
+        ];
+        let grid = |cap: u32, blocks: u32| LaunchConfig {
+            grid_dim: (blocks.clamp(1, cap), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
         };
         for (gi, group) in self.groups.iter().enumerate() {
             let mut tensors = StepTensors {
@@ -432,23 +426,27 @@ impl DeviceState {
             }
             let chunks = ptr(chunk_ptrs + gi);
             let (first, count, n_chunks) = (group.first as u32, group.count as u32, group.n_chunks);
+            // The arguments the three chunk-walking kernels start with.
+            macro_rules! chunk_args {
+                ($a:expr) => {
+                    $a.arg(&meta)
+                        .arg(&chunks)
+                        .arg(&n_chunks)
+                        .arg(&first)
+                        .arg(&tensors)
+                        .arg(&buffers)
+                };
+            }
             // SAFETY (all four launches): the arguments match the kernels' signatures; `meta`
             // and `chunks` are the tables built for these tensors, every address in `tensors`
             // is a live contiguous f32 buffer of its tensor's element count, and the state,
             // factor and scratch buffers were sized from the same table.
             unsafe {
-                square_sums.launch(
-                    grid(&square_sums, n_chunks.div_ceil(SQUARE_SUM_RUN))?,
-                    |a| {
-                        a.arg(&meta)
-                            .arg(&chunks)
-                            .arg(&n_chunks)
-                            .arg(&first)
-                            .arg(&tensors)
-                            .arg(&buffers);
-                    },
-                )?;
-                factors.launch(grid(&factors, count)?, |a| {
+                let runs = n_chunks.div_ceil(SQUARE_SUM_RUN);
+                square_sums.launch(grid(caps[0], runs), |a| {
+                    chunk_args!(a);
+                })?;
+                factors.launch(grid(caps[1], count), |a| {
                     a.arg(&meta)
                         .arg(&first)
                         .arg(&count)
@@ -456,69 +454,14 @@ impl DeviceState {
                         .arg(&buffers)
                         .arg(&decays);
                 })?;
-                stats.launch(grid(&stats, n_chunks)?, |a| {
-                    a.arg(&meta)
-                        .arg(&chunks)
-                        .arg(&n_chunks)
-                        .arg(&first)
-                        .arg(&tensors)
-                        .arg(&buffers)
-                        .arg(&decays);
+                stats.launch(grid(caps[2], n_chunks), |a| {
+                    chunk_args!(a).arg(&decays);
                 })?;
-                update.launch(grid(&update, n_chunks)?, |a| {
-                    a.arg(&meta)
-                        .arg(&chunks)
-                        .arg(&n_chunks)
-                        .arg(&first)
-                        .arg(&tensors)
-                        .arg(&buffers)
-                        .arg(&mlp_ptr)
-                        .arg(&hyper);
+                update.launch(grid(caps[3], n_chunks), |a| {
+                    chunk_args!(a).arg(&mlp_ptr).arg(&hyper);
                 })?;
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Divisor;
-
-    #[test]
-    fn divisor_quotients_are_exact() {
-        let mut seed = 0x9e3779b97f4a7c15u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        let mut divisors: Vec<u64> = (1..=70).collect();
-        divisors.extend([
-            255,
-            256,
-            257,
-            1023,
-            1024,
-            4097,
-            50257,
-            (1 << 31) - 1,
-            1 << 31,
-            (1 << 31) + 1,
-            u32::MAX as u64 - 1,
-            u32::MAX as u64,
-        ]);
-        divisors.extend((0..200).map(|_| 1 + next() % u32::MAX as u64));
-        for d in divisors {
-            let v = Divisor::new(d as usize);
-            let mut ns: Vec<u32> =
-                vec![0, 1, u32::MAX, u32::MAX - 1, d.min(u32::MAX as u64) as u32];
-            ns.extend((0..500).map(|_| next() as u32));
-            ns.extend((0..50).map(|_| ((next() % 1024) as u32).wrapping_mul(d as u32)));
-            for n in ns {
-                assert_eq!(v.quotient(n), n as u64 / d, "{n} / {d}");
-            }
-        }
     }
 }
