@@ -127,6 +127,8 @@ cat > "$bundle/profile.sh" <<'PROFILE'
 # Kernel durations with Nsight Compute: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [bench filters...]
 # profiles COUNT launches of kernels matching KERNEL_REGEX after skipping SKIP of them, in the bench
 # run with the given filters, and writes OUTDIR/profile.csv (one row per launch: gpu__time_duration).
+# NCU_ARGS replaces the metric list (e.g. NCU_ARGS="--set full -o OUTDIR/k" for a full report, then
+# `ncu --import OUTDIR/k.ncu-rep --page details --csv` or `--page source --print-source sass`).
 out=${1:?usage: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [filters...]}
 regex=$2 skip=$3 count=$4
 shift 4
@@ -136,7 +138,7 @@ xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/ben
 source "$(dirname "$0")/libs.sh"
 ncu=$(command -v ncu || find /opt /usr/local -name ncu -type f 2>/dev/null | head -n1)
 "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
-    --metrics gpu__time_duration.sum --csv "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"
+    ${NCU_ARGS:---metrics gpu__time_duration.sum --csv} "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"
 echo "profile.sh: ncu exit $?"
 rm -rf "$work"
 PROFILE

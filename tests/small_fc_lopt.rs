@@ -465,7 +465,7 @@ fn fused_tolerance(dev: &Device, _tensor_cores: bool) -> f64 {
 #[test]
 fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
     for_each_device(|dev| {
-        let shapes: Vec<Vec<usize>> = vec![
+        let mut shapes: Vec<Vec<usize>> = vec![
             vec![257, 129],
             vec![64, 64],
             vec![3, 50, 7],
@@ -473,6 +473,11 @@ fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
             vec![1000],
             vec![],
         ];
+        if dev.is_cuda() {
+            // Matrices wide enough for the tiled square sums: several row tiles and column
+            // slabs, rows of 16-byte loads (d0 = 1) and of single floats (513 columns, d0 = 0).
+            shapes.extend([vec![300, 1100], vec![700, 513]]);
+        }
         let make = || -> Result<Vec<Var>> {
             shapes
                 .iter()

@@ -2,10 +2,12 @@
 // covers a group of up to GROUP tensors; its blocks walk a static list of fixed-size chunks of those
 // tensors, so a model with hundreds of tensors costs a handful of launches, not thousands. In order:
 //   lopt_square_sums: per matrix, the sums of g^2 over axis d0 and over axis d1 (the Adafactor
-//                     reductions), straight from the gradient.
-//   lopt_factors:     a block per matrix: the row / column accumulators (in place) and the factors.
+//                     reductions), straight from the gradient; lopt_square_sums_tiled takes the
+//                     2-D matrices of 512+ columns by row / column tiles.
+//   lopt_factors:     a block per matrix: the row / column accumulators (in place), the factors,
+//                     and the sums of squares of the features that depend on a row or a column only.
 //   lopt_stats:       the momenta, rms (and vector Adafactor) accumulators, in place; the sums of
-//                     the squares of the 28 normalised-feature inputs per tensor.
+//                     the squares of the other normalised-feature inputs per tensor.
 //   lopt_update_mma / lopt_update_fma: the features rebuilt and normalised, the 39-32-32-2 MLP (f16
 //                     tensor cores with f32 accumulation, or f32 FMAs), the parameter written in place.
 // Every buffer is f32. The 11 time features are folded into the first layer's bias by the host.
@@ -53,6 +55,7 @@ struct LoptMeta {
     Divisor row_inner1, row_outer1;  // row index -> batch (axis d1 removed from the row shape)
     float inv_size0, inv_size1;
     uint32_t factored, wide;
+    uint32_t tiled, pad;  // tiled: a 2-D matrix whose square sums lopt_square_sums_tiled takes
 };
 
 struct Chunk {
@@ -106,6 +109,25 @@ __device__ __forceinline__ void add_at(float* base, uint64_t idx, float v, bool 
     } else if (active) {
         atomicAdd(base + idx, v);
     }
+}
+
+// Adds the block's sums of squared features into out[0..28] and clears acc.
+__device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*partial)[FEATURES], float* out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int f = 0; f < FEATURES; ++f) {
+        const float v = warp_sum(acc[f]);
+        if (lane == 0) partial[warp][f] = v;
+        acc[f] = 0.0f;
+    }
+    __syncthreads();
+    if (threadIdx.x < FEATURES) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += partial[w][threadIdx.x];
+        atomicAdd(out + threadIdx.x, v);
+    }
+    __syncthreads();
 }
 
 }  // namespace
@@ -195,8 +217,96 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             c = last + 1;
             const LoptMeta& m = meta[ch.tensor];
             const float* __restrict__ g = ptrs.grad[ch.tensor - first];
-            if (!m.factored || g == nullptr) continue;
+            if (!m.factored || m.tiled || g == nullptr) continue;
             square_sums_span(m, g, ch.start, min(chunks[last].start + CHUNK, m.n), buf, slots);
+        }
+    }
+}
+
+constexpr int TILE_COLS = 1024;  // four columns per thread
+static_assert(TILE_COLS == 4 * THREADS, "a tile row is one float4 per thread");
+constexpr int ROW_BATCH = 8;
+
+// Mirrors `SumTile` in src/optim/multi_tensor.rs: rows [row_start, row_start + rows) and columns
+// [col_start, col_start + TILE_COLS) of a row-major 2-D gradient with `cols` columns.
+struct SumTile {
+    uint32_t tensor, rows;
+    uint64_t row_start;
+    uint32_t col_start, cols;
+    uint32_t rows_into_col_sum, pad;
+};
+
+// The square sums of 2-D gradients, a tile per block iteration: each thread owns four columns of
+// the tile and keeps their sums in registers; rows go in batches of ROW_BATCH (that many loads in
+// flight per thread), each row's sum reduced over the warp, then over the block's warps. One
+// global atomic per row and per column of a tile, none on shared memory.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    lopt_square_sums_tiled(const LoptMeta* __restrict__ meta, const SumTile* __restrict__ tiles, uint32_t n_tiles,
+                           uint32_t first, StepTensors ptrs, Buffers buf) {
+    __shared__ float partial[2][ROW_BATCH][WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int parity = 0;
+    for (uint32_t i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+        const SumTile tile = tiles[i];
+        const float* __restrict__ g = ptrs.grad[tile.tensor - first];
+        if (g == nullptr) continue;
+        const LoptMeta& m = meta[tile.tensor];
+        float* row_sums = tile.rows_into_col_sum ? buf.col_sum + m.col_sum : buf.row_sum + m.row_sum;
+        float* col_sums = tile.rows_into_col_sum ? buf.row_sum + m.row_sum : buf.col_sum + m.col_sum;
+        // Four adjacent columns per thread (one 16-byte load) when rows are 16-byte aligned,
+        // else four columns THREADS apart.
+        const bool wide_loads = tile.cols % 4 == 0 && reinterpret_cast<uintptr_t>(g) % 16 == 0;
+        uint32_t col[4];
+        bool in[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            col[j] = tile.col_start + (wide_loads ? 4 * threadIdx.x + j : threadIdx.x + THREADS * j);
+            in[j] = col[j] < tile.cols;
+        }
+        float col_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint32_t r0 = 0; r0 < tile.rows; r0 += ROW_BATCH) {
+            float4 v[ROW_BATCH];
+#pragma unroll
+            for (int r = 0; r < ROW_BATCH; ++r) {
+                v[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (r0 + r >= tile.rows) continue;
+                const float* row = g + (tile.row_start + r0 + r) * tile.cols;
+                if (wide_loads) {
+                    if (in[0]) v[r] = *reinterpret_cast<const float4*>(row + col[0]);
+                } else {
+                    v[r].x = in[0] ? row[col[0]] : 0.0f;
+                    v[r].y = in[1] ? row[col[1]] : 0.0f;
+                    v[r].z = in[2] ? row[col[2]] : 0.0f;
+                    v[r].w = in[3] ? row[col[3]] : 0.0f;
+                }
+            }
+            float row_part[ROW_BATCH];
+#pragma unroll
+            for (int r = 0; r < ROW_BATCH; ++r) {
+                const float a = v[r].x * v[r].x, b = v[r].y * v[r].y, c = v[r].z * v[r].z, d = v[r].w * v[r].w;
+                col_acc[0] += a;
+                col_acc[1] += b;
+                col_acc[2] += c;
+                col_acc[3] += d;
+                row_part[r] = warp_sum((a + b) + (c + d));
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int r = 0; r < ROW_BATCH; ++r) partial[parity][r][warp] = row_part[r];
+            }
+            __syncthreads();
+            // The next batch writes the other buffer, so one barrier per batch is enough.
+            if (threadIdx.x < ROW_BATCH && r0 + threadIdx.x < tile.rows) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) sum += partial[parity][threadIdx.x][w];
+                atomicAdd(row_sums + tile.row_start + r0 + threadIdx.x, sum);
+            }
+            parity ^= 1;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (in[j]) atomicAdd(col_sums + col[j], col_acc[j]);
         }
     }
 }
@@ -207,10 +317,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 extern "C" __global__ void __launch_bounds__(THREADS)
     lopt_factors(const LoptMeta* __restrict__ meta, uint32_t first, uint32_t count, StepTensors ptrs,
                  Buffers buf, Decays d) {
+    __shared__ float partial[WARPS][FEATURES];
     const uint32_t lane = threadIdx.x & 31;
     for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
         const LoptMeta& m = meta[first + i];
         if (!m.factored || m.n == 0 || ptrs.grad[i] == nullptr) continue;
+        // The features that depend on the row or the column only (13..24: the accumulators and
+        // their inverse square roots): their per-tensor sums of squares are taken here, once per
+        // row and column and weighted by the elements sharing it, instead of once per element.
+        float feature_sq[FEATURES];
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) feature_sq[f] = 0.0f;
         float* row = buf.row + m.row;
         float* col = buf.col + m.col;
         for (uint64_t base = threadIdx.x & ~31u; base < m.rows; base += THREADS) {
@@ -224,6 +341,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 if (active) {
                     v = d.adafactor[k] * row[k * m.rows + r] + (1.0f - d.adafactor[k]) * mean;
                     row[k * m.rows + r] = v;
+                    const float inv = 1.0f / sqrtf(v + 1e-8f);  // as the per-element feature
+                    feature_sq[13 + k] += v * v;
+                    feature_sq[19 + k] += inv * inv;
                 }
                 add_at(buf.batch_sum + m.batch + k * m.batches, b, v, active);
             }
@@ -235,9 +355,22 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 const float v = d.adafactor[k] * col[k * m.cols + c] + (1.0f - d.adafactor[k]) * mean;
                 col[k * m.cols + c] = v;
                 buf.col_factor[m.col + k * m.cols + c] = srsqrt(v);
+                const float inv = 1.0f / sqrtf(v + 1e-8f);
+                feature_sq[16 + k] += v * v;
+                feature_sq[22 + k] += inv * inv;
             }
         }
-        __syncthreads();  // the batch sums are complete (only this block adds to them)
+        // Each row index is shared by size(d0) elements, each column index by size(d1).
+        const float per_row = static_cast<float>(m.n / m.rows), per_col = static_cast<float>(m.n / m.cols);
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            feature_sq[13 + k] *= per_row;
+            feature_sq[19 + k] *= per_row;
+            feature_sq[16 + k] *= per_col;
+            feature_sq[22 + k] *= per_col;
+        }
+        // Also a barrier: the batch sums are complete after it (only this block adds to them).
+        flush_sums(feature_sq, partial, buf.feat_sum + (first + i) * FEATURES);
         for (uint64_t r = threadIdx.x; r < m.rows; r += THREADS) {
             const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
 #pragma unroll
@@ -252,13 +385,16 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 namespace {
 
 // One element's inputs, as loaded: gradient, parameter, the stored accumulators and, for
-// matrices, its row / column accumulators and factors. Loaded one iteration ahead of their use,
-// so the loads stay in flight across the previous element's arithmetic.
+// matrices, its row / column accumulators and factors. (Loading them an iteration ahead was
+// measured slower on the H200: its registers cost resident warps.)
 struct Inputs {
     float g, p, m[3], v, full[3];
     float row[3], col[3], row_factor[3], col_factor[3];
 };
 
+// ROW_FEATURES = false leaves out what only the row / column features (13..24) of a matrix read:
+// the statistics pass has their sums from lopt_factors.
+template <bool ROW_FEATURES>
 __device__ __forceinline__ Inputs load_inputs(const LoptMeta& t, const Buffers& buf, const float* grad,
                                               const float* param, uint64_t e) {
     Inputs s;
@@ -274,8 +410,10 @@ __device__ __forceinline__ Inputs load_inputs(const LoptMeta& t, const Buffers& 
 #pragma unroll
         for (int k = 0; k < 3; ++k) {
             const uint64_t ri = t.row + k * t.rows + r, ci = t.col + k * t.cols + c;
-            s.row[k] = buf.row[ri];
-            s.col[k] = buf.col[ci];
+            if (ROW_FEATURES) {
+                s.row[k] = buf.row[ri];
+                s.col[k] = buf.col[ci];
+            }
             s.row_factor[k] = buf.row_factor[ri];
             s.col_factor[k] = buf.col_factor[ci];
         }
@@ -288,6 +426,7 @@ __device__ __forceinline__ Inputs load_inputs(const LoptMeta& t, const Buffers& 
 
 // The 28 normalised-feature inputs (spec order) from an element whose accumulators hold this
 // step's values, before the per-tensor scaling.
+template <bool ROW_FEATURES>
 __device__ __forceinline__ void features(bool factored, const Inputs& s, float (&x)[FEATURES]) {
     const float g = s.g;
     const float rsqrt_v = 1.0f / sqrtf(s.v + 1e-6f);
@@ -304,13 +443,17 @@ __device__ __forceinline__ void features(bool factored, const Inputs& s, float (
 #pragma unroll
         for (int k = 0; k < 3; ++k) {
             const float rf = s.row_factor[k], cf = s.col_factor[k];
-            const float rk = s.row[k], ck = s.col[k];
             x[10 + k] = g * rf * cf;
-            x[13 + k] = rk;
-            x[16 + k] = ck;
-            x[19 + k] = 1.0f / sqrtf(rk + 1e-8f);
-            x[22 + k] = 1.0f / sqrtf(ck + 1e-8f);
             x[25 + k] = s.m[k] * rf * cf;
+            if (ROW_FEATURES) {
+                const float rk = s.row[k], ck = s.col[k];
+                x[13 + k] = rk;
+                x[16 + k] = ck;
+                x[19 + k] = 1.0f / sqrtf(rk + 1e-8f);
+                x[22 + k] = 1.0f / sqrtf(ck + 1e-8f);
+            } else {
+                x[13 + k] = x[16 + k] = x[19 + k] = x[22 + k] = 0.0f;
+            }
         }
     } else {
 #pragma unroll
@@ -326,32 +469,13 @@ __device__ __forceinline__ void features(bool factored, const Inputs& s, float (
     }
 }
 
-// Adds the block's sums of squared features into out[0..28] and clears acc.
-__device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*partial)[FEATURES], float* out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int f = 0; f < FEATURES; ++f) {
-        const float v = warp_sum(acc[f]);
-        if (lane == 0) partial[warp][f] = v;
-        acc[f] = 0.0f;
-    }
-    __syncthreads();
-    if (threadIdx.x < FEATURES) {
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += partial[w][threadIdx.x];
-        atomicAdd(out + threadIdx.x, v);
-    }
-    __syncthreads();
-}
-
 }  // namespace
 
 // Updates every element's accumulators in place (they hold the previous step's on entry) and adds
 // the squares of its features into feat_sum[tensor * 28 + f] (zeroed by the host).
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
-    lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
-               StepTensors ptrs, Buffers buf, Decays d) {
+__device__ __forceinline__ void stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
+                                      uint32_t n_chunks, uint32_t first, const StepTensors& ptrs, const Buffers& buf,
+                                      const Decays& d) {
     __shared__ float partial[WARPS][FEATURES];
     float acc[FEATURES];
 #pragma unroll
@@ -370,11 +494,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
         float* state = buf.elem + t.elem;
         const uint64_t end = min(ch.start + CHUNK, t.n);
         uint64_t e = ch.start + threadIdx.x;
-        Inputs next;
-        if (e < end) next = load_inputs(t, buf, grad, param, e);
         for (; e < end; e += THREADS) {
-            Inputs s = next;
-            if (e + THREADS < end) next = load_inputs(t, buf, grad, param, e + THREADS);
+            Inputs s = load_inputs<false>(t, buf, grad, param, e);
             const float g2 = s.g * s.g;
 #pragma unroll
             for (int k = 0; k < 3; ++k) {
@@ -391,12 +512,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
                 }
             }
             float x[FEATURES];
-            features(t.factored, s, x);
+            features<false>(t.factored, s, x);
 #pragma unroll
             for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
         }
     }
     if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
+}
+
+// Three resident blocks per multiprocessor at 80 registers, no spills.
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+    lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
+               StepTensors ptrs, Buffers buf, Decays d) {
+    stats(meta, chunks, n_chunks, first, ptrs, buf, d);
 }
 
 namespace {
@@ -481,78 +609,62 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], c
 constexpr int BIAS_SLOT = FEATURES;
 constexpr int TILE_STRIDE = 72;
 
-// A layer's B fragments ([k tile][n tile][register]), hi and lo.
-struct LayerWeights {
-    uint32_t hi[2][4][2], lo[2][4][2];
-};
-
 // A 16-row tile's A fragments ([k tile][register]), hi and lo.
 struct SplitA {
     uint32_t hi[2][4], lo[2][4];
 };
 
+// The MLP as the tensor-core loop reads it, built once per block in shared memory: each lane's B
+// fragments (k = 2 t + {0, 1} and 2 t + 8 + {0, 1}, n = g, with g = lane / 4 and t = lane % 4),
+// hi and lo packed so that one 16-byte load brings both; the second layer's bias and the output
+// layer in f32. Shared rather than in registers: 90 fewer registers per thread buy twice the
+// resident warps, which is what the latency-bound update loop needs.
 struct MmaWeights {
-    LayerWeights w_in, w_1;
-    float b_1[4][2];
-    float w_out[2][4][2];  // [direction / magnitude][n tile][column 2 t + j]
+    uint4 frag[2][2][4][32];  // [layer][k tile][n tile][lane]: hi.x, hi.y, lo.x, lo.y
+    float b_1[HIDDEN];
+    float w_out[2][HIDDEN];  // [direction / magnitude][column]
     float b_out[2];
 
-    // B fragments (k = 2 t + {0, 1} and 2 t + 8 + {0, 1}, n = g), and the bias and output weights
-    // of the accumulator columns this lane holds (2 t + {0, 1} of each n tile), with g = lane / 4
-    // and t = lane % 4.
-    __device__ __forceinline__ explicit MmaWeights(const float* __restrict__ mlp) {
-        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    __device__ __forceinline__ void fill(const float* __restrict__ mlp) {
         auto w_in_at = [&](int k, int n) {
             return k < FEATURES ? mlp[W_IN + n * FEATURES + k] : k == BIAS_SLOT ? mlp[B_EFF + n] : 0.0f;
         };
         auto w_1_at = [&](int k, int n) { return mlp[W_1 + n * HIDDEN + k]; };
-#pragma unroll
-        for (int kt = 0; kt < 2; ++kt) {
-            const int k = kt * 16 + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int n = nt * 8 + g;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const Split2 in = split_half2(w_in_at(k + 8 * r, n), w_in_at(k + 8 * r + 1, n));
-                    const Split2 one = split_half2(w_1_at(k + 8 * r, n), w_1_at(k + 8 * r + 1, n));
-                    w_in.hi[kt][nt][r] = in.hi;
-                    w_in.lo[kt][nt][r] = in.lo;
-                    w_1.hi[kt][nt][r] = one.hi;
-                    w_1.lo[kt][nt][r] = one.lo;
-                }
-            }
+        for (int i = threadIdx.x; i < 2 * 2 * 4 * 32; i += blockDim.x) {
+            const int lane = i & 31, nt = (i >> 5) & 3, kt = (i >> 7) & 1, layer = i >> 8;
+            const int g = lane >> 2, t = lane & 3, k = kt * 16 + 2 * t, n = nt * 8 + g;
+            auto at = [&](int kk) { return layer == 0 ? w_in_at(kk, n) : w_1_at(kk, n); };
+            const Split2 first = split_half2(at(k), at(k + 1)), second = split_half2(at(k + 8), at(k + 9));
+            frag[layer][kt][nt][lane] = make_uint4(first.hi, second.hi, first.lo, second.lo);
         }
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = nt * 8 + 2 * t + j;
-                b_1[nt][j] = mlp[B_1 + col];
-                w_out[0][nt][j] = mlp[W_OUT + col];
-                w_out[1][nt][j] = mlp[W_OUT + HIDDEN + col];
-            }
+        for (int i = threadIdx.x; i < HIDDEN; i += blockDim.x) {
+            b_1[i] = mlp[B_1 + i];
+            w_out[0][i] = mlp[W_OUT + i];
+            w_out[1][i] = mlp[W_OUT + HIDDEN + i];
         }
-        b_out[0] = mlp[B_OUT];
-        b_out[1] = mlp[B_OUT + 1];
+        if (threadIdx.x < 2) b_out[threadIdx.x] = mlp[B_OUT + threadIdx.x];
+        __syncthreads();
     }
 };
 
 // acc[tile][n tile] (holding its bias on entry) += a . W for both 16-row tiles, interleaved so
 // that each warp keeps eight independent accumulator chains in flight.
 template <bool SPLIT>
-__device__ __forceinline__ void dense(const SplitA (&a)[2], const LayerWeights& w, float (&acc)[2][4][4]) {
+__device__ __forceinline__ void dense(const SplitA (&a)[2], const uint4 (&w)[2][4][32], float (&acc)[2][4][4]) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
+            const uint4 b = w[kt][nt][lane];
+            const uint32_t hi[2] = {b.x, b.y}, lo[2] = {b.z, b.w};
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 if constexpr (SPLIT) {
-                    mma_f16(acc[mt][nt], a[mt].lo[kt], w.hi[kt][nt]);
-                    mma_f16(acc[mt][nt], a[mt].hi[kt], w.lo[kt][nt]);
+                    mma_f16(acc[mt][nt], a[mt].lo[kt], hi);
+                    mma_f16(acc[mt][nt], a[mt].hi[kt], lo);
                 }
-                mma_f16(acc[mt][nt], a[mt].hi[kt], w.hi[kt][nt]);
+                mma_f16(acc[mt][nt], a[mt].hi[kt], hi);
             }
         }
     }
@@ -619,31 +731,36 @@ __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE
             if (SPLIT_IN) ldmatrix_x4(a[mt].lo[kt], src + 32 + kt * 16);
         }
     }
+    const int t = lane & 3;
     float acc[2][4][4] = {};  // the first layer's bias rides in the constant slot
-    dense<SPLIT_IN>(a, w.w_in, acc);
+    dense<SPLIT_IN>(a, w.frag[0], acc);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         relu_to_a(acc[mt], a[mt]);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-            acc[mt][nt][0] = acc[mt][nt][2] = w.b_1[nt][0];
-            acc[mt][nt][1] = acc[mt][nt][3] = w.b_1[nt][1];
+            const float2 bias = *reinterpret_cast<const float2*>(&w.b_1[nt * 8 + 2 * t]);
+            acc[mt][nt][0] = acc[mt][nt][2] = bias.x;
+            acc[mt][nt][1] = acc[mt][nt][3] = bias.y;
         }
     }
-    dense<SPLIT_HIDDEN>(a, w.w_1, acc);
+    dense<SPLIT_HIDDEN>(a, w.frag[1], acc);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         // Output layer: this lane's 8 columns of rows g and g + 8, then the quad's sum.
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
+            const float2 wd = *reinterpret_cast<const float2*>(&w.w_out[0][nt * 8 + 2 * t]);
+            const float2 wm = *reinterpret_cast<const float2*>(&w.w_out[1][nt * 8 + 2 * t]);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const float top = relu_keep_nan(acc[mt][nt][j]), bottom = relu_keep_nan(acc[mt][nt][2 + j]);
-                o[0] = fmaf(w.w_out[0][nt][j], top, o[0]);
-                o[1] = fmaf(w.w_out[1][nt][j], top, o[1]);
-                o[2] = fmaf(w.w_out[0][nt][j], bottom, o[2]);
-                o[3] = fmaf(w.w_out[1][nt][j], bottom, o[3]);
+                const float d = j ? wd.y : wd.x, m = j ? wm.y : wm.x;
+                o[0] = fmaf(d, top, o[0]);
+                o[1] = fmaf(m, top, o[1]);
+                o[2] = fmaf(d, bottom, o[2]);
+                o[3] = fmaf(m, bottom, o[3]);
             }
         }
 #pragma unroll
@@ -678,7 +795,7 @@ struct FmaMlp {
 
 template <bool SPLIT_IN, bool SPLIT_HIDDEN>
 struct MmaMlp {
-    MmaWeights w;
+    const MmaWeights& w;  // in shared memory
     __half (*tile)[TILE_STRIDE];  // this warp's feature rows
     __device__ __forceinline__ void operator()(float (&x)[FEATURES], float& direction, float& magnitude) const {
         mlp_mma<SPLIT_IN, SPLIT_HIDDEN>(w, tile, x, direction, magnitude);
@@ -704,18 +821,14 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
         const uint64_t end = min(ch.start + CHUNK, t.n);
         // Warp-uniform trip count: the tensor-core path needs every lane in every mma.
         uint64_t base = ch.start + warp * 32;
-        Inputs next;
-        bool next_active = base + lane < end;
-        if (next_active) next = load_inputs(t, buf, grad, param, base + lane);
         for (; base < end; base += blockDim.x) {
             const uint64_t e = base + lane;
-            const bool active = next_active;
-            const Inputs s = next;
-            next_active = e + blockDim.x < end;
-            if (next_active) next = load_inputs(t, buf, grad, param, e + blockDim.x);
+            const bool active = e < end;
+            Inputs s;
+            if (active) s = load_inputs<true>(t, buf, grad, param, e);
             float x[FEATURES];
             if (active) {
-                features(t.factored, s, x);
+                features<true>(t.factored, s, x);
 #pragma unroll
                 for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
             } else {
@@ -732,14 +845,16 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
 }  // namespace
 
 // Tensor-core update kernels, one per choice of split layers: `lopt_update_mma_<in><hidden>`.
-#define LOPT_UPDATE_MMA(SPLIT_IN, SPLIT_HIDDEN)                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS) lopt_update_mma_##SPLIT_IN##SPLIT_HIDDEN(               \
+#define LOPT_UPDATE_MMA(SPLIT_IN, SPLIT_HIDDEN)                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) lopt_update_mma_##SPLIT_IN##SPLIT_HIDDEN(   \
         const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first, \
         StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {                                \
         __shared__ float norm[FEATURES];                                                                        \
         __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                          \
-        const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{MmaWeights(mlp), tiles[threadIdx.x >> 5]};                    \
-        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);                                        \
+        __shared__ MmaWeights weights;                                                                          \
+        weights.fill(mlp);                                                                                      \
+        const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{weights, tiles[threadIdx.x >> 5]};                            \
+        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);                              \
     }
 LOPT_UPDATE_MMA(0, 0)
 LOPT_UPDATE_MMA(0, 1)

@@ -3,9 +3,10 @@
 //! The optimizer state of all tensors lives in a few flat f32 buffers, allocated once and updated
 //! in place (the per-tensor state tensors are views into them); a static table describes each
 //! tensor (sizes, offsets, index divisors) and splits it into fixed-size chunks. A step is then
-//! four launches per group of up to [`GROUP`] tensors (the gradient and parameter addresses of a
-//! group travel as a kernel argument), whatever the tensor count: square sums, Adafactor factors,
-//! accumulators + feature statistics, MLP + parameter update. Parameters are written in place.
+//! four or five launches per group of up to [`GROUP`] tensors (the gradient and parameter
+//! addresses of a group travel as a kernel argument), whatever the tensor count: square sums (by
+//! chunks, and by row / column tiles for wide 2-D matrices), Adafactor factors, accumulators +
+//! feature statistics, MLP + parameter update. Parameters are written in place.
 
 use super::fused::{Decays, Hyper, FEATURES, MLP_FLOATS};
 use crate::cuda::{FastDiv, Kernel, Module};
@@ -22,6 +23,12 @@ const CHUNK: usize = 8192;
 const THREADS: u32 = 256;
 /// Chunks per work item of the square-sum kernel (`RUN` there).
 const SQUARE_SUM_RUN: u32 = 8;
+/// Rows and columns of a square-sum tile of a 2-D gradient (`TILE_COLS` in the kernels).
+const TILE_ROWS: usize = 256;
+const TILE_COLS: usize = 1024;
+/// The narrowest row the tiled square sums take (narrower matrices keep the chunk walk, which
+/// does not leave most of a block idle).
+const TILE_MIN_COLS: usize = 512;
 
 /// A per-tensor divisor: [`FastDiv`]'s multiply-high for 32-bit dividends, the plain 64-bit
 /// divisor for tensors of 2^32 elements or more (`wide`).
@@ -77,6 +84,23 @@ struct LoptMeta {
     inv_size1: f32,
     factored: u32,
     wide: u32,
+    tiled: u32,
+    pad: u32,
+}
+
+/// Mirrors `SumTile` in the kernels: rows `row_start..row_start + rows` and columns
+/// `col_start..col_start + TILE_COLS` of a 2-D gradient with `cols` columns.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct SumTile {
+    tensor: u32,
+    rows: u32,
+    row_start: u64,
+    col_start: u32,
+    cols: u32,
+    /// Whether the per-row sums are the column accumulator's (d0 = 0) or the row one's.
+    rows_into_col_sum: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -144,13 +168,15 @@ pub(super) enum SlotKind {
     Vector { full: usize },
 }
 
-/// One launch group: tensors `first..first + count` and their chunks.
+/// One launch group: tensors `first..first + count`, their chunks and their square-sum tiles.
 #[derive(Debug)]
 struct Group {
     first: usize,
     count: usize,
     chunks: Tensor,
     n_chunks: u32,
+    tiles: Tensor,
+    n_tiles: u32,
 }
 
 /// The state of every tensor in flat device buffers, and the static tables of the kernels.
@@ -231,6 +257,9 @@ impl DeviceState {
                     meta.inv_size0 = 1.0 / shape[*d0] as f32;
                     meta.inv_size1 = 1.0 / shape[*d1] as f32;
                     meta.factored = 1;
+                    meta.tiled = (shape.len() == 2
+                        && shape[1] >= TILE_MIN_COLS
+                        && shape[1] <= u32::MAX as usize) as u32;
                     let kind = SlotKind::Matrix {
                         row,
                         row_shape,
@@ -275,7 +304,28 @@ impl DeviceState {
                     })
                 })
                 .collect();
-            if chunks.len() > u32::MAX as usize {
+            let mut tiles = Vec::new();
+            for t in first..first + count {
+                if metas[t].tiled == 0 {
+                    continue;
+                }
+                let (shape, axes) = &shapes[t];
+                let (rows, cols) = (shape[0], shape[1]);
+                for row_start in (0..rows).step_by(TILE_ROWS) {
+                    for col_start in (0..cols).step_by(TILE_COLS) {
+                        tiles.push(SumTile {
+                            tensor: t as u32,
+                            rows: TILE_ROWS.min(rows - row_start) as u32,
+                            row_start: row_start as u64,
+                            col_start: col_start as u32,
+                            cols: cols as u32,
+                            rows_into_col_sum: matches!(axes, Some((0, _))) as u32,
+                            pad: 0,
+                        });
+                    }
+                }
+            }
+            if chunks.len() > u32::MAX as usize || tiles.len() > u32::MAX as usize {
                 bail!("{OP}: too many chunks in one launch");
             }
             groups.push(Group {
@@ -283,6 +333,8 @@ impl DeviceState {
                 count,
                 n_chunks: chunks.len() as u32,
                 chunks: upload(&chunks, dev)?,
+                n_tiles: tiles.len() as u32,
+                tiles: upload(&tiles, dev)?,
             });
         }
         Ok(Self {
@@ -332,6 +384,7 @@ impl DeviceState {
             mlp,
         ];
         tensors.extend(self.groups.iter().map(|g| &g.chunks));
+        tensors.extend(self.groups.iter().map(|g| &g.tiles));
         for (g, p) in work.iter().flatten() {
             tensors.push(g);
             tensors.push(p);
@@ -366,8 +419,9 @@ impl DeviceState {
         };
         let (meta, mlp_ptr) = (ptr(7), ptr(8));
         let chunk_ptrs = 9;
+        let tile_ptrs = chunk_ptrs + self.groups.len();
         let mut step_ptrs = Vec::with_capacity(self.slots.len());
-        let mut next = chunk_ptrs + self.groups.len();
+        let mut next = tile_ptrs + self.groups.len();
         for w in work {
             step_ptrs.push(match w {
                 Some(_) => {
@@ -382,6 +436,7 @@ impl DeviceState {
         // this step's kernels use it, on the device's stream).
         unsafe { crate::cuda::fill_bytes_at(dev, scratch, scratch_bytes, 0) }?;
         let square_sums = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums")?;
+        let square_sums_tiled = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums_tiled")?;
         let factors = Kernel::load(dev, Module::SmallFcLOpt, "lopt_factors")?;
         let stats = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
         let update_name = if tensor_cores {
@@ -403,6 +458,7 @@ impl DeviceState {
             cap(&factors)?,
             cap(&stats)?,
             cap(&update)?,
+            cap(&square_sums_tiled)?,
         ];
         let grid = |cap: u32, blocks: u32| LaunchConfig {
             grid_dim: (blocks.clamp(1, cap), 1, 1),
@@ -424,8 +480,9 @@ impl DeviceState {
             if tensors.grad.iter().all(|&g| g == 0) {
                 continue;
             }
-            let chunks = ptr(chunk_ptrs + gi);
+            let (chunks, tiles) = (ptr(chunk_ptrs + gi), ptr(tile_ptrs + gi));
             let (first, count, n_chunks) = (group.first as u32, group.count as u32, group.n_chunks);
+            let n_tiles = group.n_tiles;
             // The arguments the three chunk-walking kernels start with.
             macro_rules! chunk_args {
                 ($a:expr) => {
@@ -446,6 +503,16 @@ impl DeviceState {
                 square_sums.launch(grid(caps[0], runs), |a| {
                     chunk_args!(a);
                 })?;
+                if n_tiles > 0 {
+                    square_sums_tiled.launch(grid(caps[4], n_tiles), |a| {
+                        a.arg(&meta)
+                            .arg(&tiles)
+                            .arg(&n_tiles)
+                            .arg(&first)
+                            .arg(&tensors)
+                            .arg(&buffers);
+                    })?;
+                }
                 factors.launch(grid(caps[1], count), |a| {
                     a.arg(&meta)
                         .arg(&first)

@@ -8,8 +8,8 @@
 //! ops, then two fused per-element passes (`fused.rs`, rayon) — the first updates the momenta /
 //! rms (/ vector Adafactor) accumulators and sums the squared features, the second rebuilds the
 //! features, runs the MLP and writes the parameter — so the `[39, n]` features never exist in
-//! memory. CUDA: the same passes, plus the Adafactor reductions, as four kernels over all
-//! tensors at once, on state kept in flat device buffers and updated in place
+//! memory. CUDA: the same passes, plus the Adafactor reductions, as four or five kernels over
+//! all tensors at once, on state kept in flat device buffers and updated in place
 //! (`multi_tensor.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
 //! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
