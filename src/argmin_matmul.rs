@@ -382,7 +382,11 @@ mod cuda {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let product = Kernel::load(dev, Module::Matmul, &core_kernel_name::<T>("argmin_matmul"))?;
+        let product = Kernel::load(
+            dev,
+            Module::Matmul,
+            &core_kernel_name::<T>("argmin_matmul", &problem),
+        )?;
         // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
         // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
         unsafe {

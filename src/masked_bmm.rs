@@ -481,7 +481,11 @@ mod cuda {
             if blocks > i32::MAX as usize {
                 candle_core::bail!("masked_bmm: too many output tiles ({blocks})");
             }
-            let kernel = Kernel::load(dev, Module::Matmul, &core_kernel_name::<T>("masked_bmm"))?;
+            let kernel = Kernel::load(
+                dev,
+                Module::Matmul,
+                &core_kernel_name::<T>("masked_bmm", &problem),
+            )?;
             // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
             // the kernel bounds every access by the problem's sizes and strides, which come
             // from the operands' layouts.

@@ -175,9 +175,16 @@ pub(crate) mod cuda {
 
     /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`: the tensor-core form for
     /// f16 / bf16, and for f32 when [`super::matmul_tf32`] is on; the FMA form otherwise.
-    pub(crate) fn core_kernel_name<T: WithDType>(base: &str) -> String {
+    /// f16 / bf16 operands that suit 16-byte copies take the 16-bit core (`_h16`), unless the
+    /// `FASTOPS_MATMUL_H16=0` tuning variable is set.
+    pub(crate) fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> String {
         if T::DTYPE == DType::F32 && !super::matmul_tf32() {
             kernel_name::<T>(base)
+        } else if T::DTYPE != DType::F32
+            && problem.copyable_16()
+            && crate::cuda::tuning("FASTOPS_MATMUL_H16").unwrap_or(1) != 0
+        {
+            kernel_name::<T>(&format!("{base}_h16"))
         } else {
             kernel_name::<T>(&format!("{base}_tc"))
         }
@@ -202,26 +209,38 @@ pub(crate) mod cuda {
         /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
         /// elements relative to the view's start.
         fn new(view: &MatView, outer_stride: usize, k_stride: usize, outer_len: usize) -> Self {
-            let aligned = |s: usize| s.is_multiple_of(4);
-            let batch_ok = view.batch <= 1 || aligned(view.batch_stride);
-            let (mode, vectorised) = if k_stride == 1 {
-                let vec =
-                    aligned(view.start) && batch_ok && (outer_len <= 1 || aligned(outer_stride));
-                (K_CONTIGUOUS, vec)
+            // Whether runs of `group` elements along the contiguous dim, starting at multiples
+            // of `group`, are aligned to `group` elements (4: the FMA / TF32 cores' vector
+            // loads; 8: the 16-bit core's 16-byte copies of 2-byte elements).
+            let aligned_to = |group: usize| {
+                let aligned = |s: usize| s.is_multiple_of(group);
+                let common = aligned(view.start) && (view.batch <= 1 || aligned(view.batch_stride));
+                if k_stride == 1 {
+                    common && (outer_len <= 1 || aligned(outer_stride))
+                } else {
+                    common && aligned(k_stride)
+                }
+            };
+            let mode = if k_stride == 1 {
+                K_CONTIGUOUS
             } else if outer_stride == 1 {
-                (
-                    OUTER_CONTIGUOUS,
-                    aligned(view.start) && batch_ok && aligned(k_stride),
-                )
+                OUTER_CONTIGUOUS
             } else {
-                (STRIDED, false)
+                STRIDED
+            };
+            let vectorised = if mode == STRIDED {
+                0
+            } else if aligned_to(8) {
+                2
+            } else {
+                aligned_to(4) as i32
             };
             Self {
                 batch_stride: view.batch_stride as i64,
                 outer_stride: outer_stride as i64,
                 k_stride: k_stride as i64,
                 mode,
-                vectorised: vectorised as i32,
+                vectorised,
             }
         }
     }
@@ -241,6 +260,12 @@ pub(crate) mod cuda {
     unsafe impl DeviceRepr for ProblemArgs {}
 
     impl ProblemArgs {
+        /// Whether both operands suit the 16-bit core's 16-byte copies (a contiguous dim whose
+        /// runs are aligned to 8 elements).
+        fn copyable_16(&self) -> bool {
+            self.a.vectorised == 2 && self.b.vectorised == 2
+        }
+
         /// `a` `[batch, m, k]` times `b` `[batch, k, n]`; a broadcast `b` has batch stride 0.
         pub(crate) fn new(a: &MatView, b: &MatView) -> Self {
             Self {

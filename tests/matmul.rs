@@ -139,6 +139,65 @@ fn masked_bmm_every_dtype_and_layout() -> Result<()> {
     Ok(())
 }
 
+/// f16 / bf16 operands whose rows are 8-element aligned take the 16-bit tensor-core core on CUDA
+/// (cp.async + ldmatrix + m16n8k16): contiguous and transposed operands (both copy layouts, both
+/// ldmatrix forms), tiles cut by m, n and k (k = 72: a partial last stage), narrowed views whose
+/// last 16-byte chunk is partly outside the view, and argmin over `centroids.t()`.
+#[test]
+fn sixteen_bit_core_every_layout() -> Result<()> {
+    for_each_device(|dev| {
+        for dtype in [DType::F16, DType::BF16] {
+            let (batch, m, k, n) = (2, 136, 72, 136);
+            let a = rand_tensor(&[batch, m, k], 1.0, dtype, dev, 60)?;
+            let b = rand_tensor(&[batch, k, n], 1.0, dtype, dev, 61)?;
+            let mask = make_mask(MaskKind::Random, &[m, n], dev, 62)?;
+            check_masked(&a, &b, &mask, -1.5, &format!("{dtype:?} 16-bit contiguous"))?;
+            let at = rand_tensor(&[batch, k, m], 1.0, dtype, dev, 63)?.transpose(1, 2)?;
+            let bt = rand_tensor(&[batch, n, k], 1.0, dtype, dev, 64)?.transpose(1, 2)?;
+            check_masked(
+                &at,
+                &bt,
+                &mask,
+                0.0,
+                &format!("{dtype:?} 16-bit transposed"),
+            )?;
+            // k = 50 and n = 130 inside rows of 80 and 144: the last chunk of a row along the
+            // contiguous dim holds 2 valid elements.
+            let (k2, n2, m2) = (50, 130, 129);
+            let ao = rand_tensor(&[batch, m2, 80], 1.0, dtype, dev, 65)?.narrow(2, 8, k2)?;
+            let bo = rand_tensor(&[batch, k2, 144], 1.0, dtype, dev, 66)?.narrow(2, 8, n2)?;
+            let mask2 = make_mask(MaskKind::Causal, &[batch, m2, n2], dev, 67)?;
+            check_masked(
+                &ao,
+                &bo,
+                &mask2,
+                0.0,
+                &format!("{dtype:?} 16-bit partial chunks"),
+            )?;
+
+            let x = rand_tensor(&[300, 72], 1.0, dtype, dev, 68)?;
+            let centroids = rand_tensor(&[1000, 72], 1.0, dtype, dev, 69)?;
+            let bias = rand_tensor(&[1000], 2.0, DType::F32, dev, 70)?;
+            let got = argmin_matmul(&x, &centroids.t()?, Some(&bias), -2.0)?;
+            let scores = argmin_reference(
+                &to_f64(&x)?,
+                &to_f64(&centroids.t()?.contiguous()?)?,
+                &to_f64(&bias)?,
+                -2.0,
+                (1, 300, 72, 1000),
+            );
+            check_argmin(
+                &got.to_vec1::<u32>()?,
+                &scores,
+                1e-5 + 2e-6 * 72.0,
+                &format!("{dtype:?} 16-bit argmin"),
+            );
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 #[test]
 fn masked_bmm_empty_dims_and_plans() -> Result<()> {
     for_each_device(|dev| {

@@ -49,7 +49,7 @@ struct Operand {
     int64_t outer_stride;
     int64_t k_stride;
     int32_t mode;        // LoadMode
-    int32_t vectorised;  // 4-wide loads along the contiguous dim are aligned
+    int32_t vectorised;  // 1: 4-element runs along the contiguous dim are aligned; 2: 8-element runs too
 };
 
 // Mirrors `ProblemArgs` in src/matmul_core.rs.
@@ -297,6 +297,197 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The 16-bit core (`_h16` kernels, f16 / bf16 operands whose rows are 16-byte aligned and whose
+// contiguous dim is k or outer): the same 128 x 128 tiles, warps and accumulator layout as the
+// TF32 core, but operands stay 16-bit all the way: cp.async copies 16-byte chunks from global to
+// shared memory (two stages of 32 k in flight, no staging registers, no conversion), ldmatrix
+// loads the fragments (one instruction per 16 x 16 of A or 16 x 16 of B, transposed on the way
+// when the operand is outer-contiguous), and mma.m16n8k16 does twice the work per instruction of
+// m16n8k8 TF32. Products of 16-bit values are exact in the f32 accumulators.
+
+constexpr int KS = 32;            // k per stage
+constexpr int KPAD = KS + 8;      // [outer][k] rows: 80 bytes, so ldmatrix's 8 rows hit distinct banks
+constexpr int OPAD = TILE + 8;    // [k][outer] rows: 272 bytes, likewise
+constexpr int STAGE16 = TILE * KPAD;  // halves per operand and stage (>= KS * OPAD)
+static_assert(KS * OPAD <= STAGE16, "either layout fits a stage");
+
+struct Staging16 {
+    uint16_t a[2][STAGE16];
+    uint16_t b[2][STAGE16];
+};
+
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const void* src, int src_bytes) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* src) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    }
+}
+
+template <typename T> __device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ __forceinline__ void mma16<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Copies of one operand's TILE (outer) x KS (k) stage: two 16-byte chunks per thread, into
+// smem[outer][k] (k contiguous in global) or smem[k][outer] (outer contiguous). Chunks past the
+// operand's edge are zero-filled (a partial chunk copies its valid bytes only).
+template <typename T> struct StageCopier {
+    const T* base;  // the tile's (outer 0, k 0) element
+    int64_t outer_stride, k_stride, outer_len, k_len;
+    bool k_major;   // k contiguous in global
+
+    __device__ __forceinline__ StageCopier(const T* b, const Operand& op, int64_t outer_len_, int64_t k_len_)
+        : base(b), outer_stride(op.outer_stride), k_stride(op.k_stride), outer_len(outer_len_), k_len(k_len_),
+          k_major(op.mode == K_CONTIGUOUS) {}
+
+    __device__ __forceinline__ void copy(uint16_t* smem, int64_t k0) const {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int c = threadIdx.x + q * THREADS;
+            int outer, kk;
+            int64_t valid;
+            if (k_major) {
+                outer = c >> 2;
+                kk = (c & 3) * 8;
+                valid = outer < outer_len ? min(max(k_len - k0 - kk, int64_t(0)), int64_t(8)) : 0;
+            } else {
+                kk = c >> 4;
+                outer = (c & 15) * 8;
+                valid = k0 + kk < k_len ? min(max(outer_len - outer, int64_t(0)), int64_t(8)) : 0;
+            }
+            const T* src = valid > 0 ? base + outer * outer_stride + (k0 + kk) * k_stride : base;
+            uint16_t* dst = k_major ? smem + outer * KPAD + kk : smem + kk * OPAD + outer;
+            cp_async16(dst, src, static_cast<int>(valid) * 2);
+        }
+    }
+};
+
+// One stage's products: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
+// fragments (8 columns each) by ldmatrix, then 16 mma.
+template <typename T>
+__device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16_t* Bs, bool a_k_major, bool b_k_major,
+                                                float (&acc)[8][8]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+#pragma unroll
+    for (int kk = 0; kk < KS; kk += 16) {
+        uint32_t af[4][4], bf[4][2];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (a_k_major) {
+                ldmatrix_x4<false>(af[mi], As + (m0 + mi * 16 + (lane & 15)) * KPAD + kk + (lane >> 4) * 8);
+            } else {
+                ldmatrix_x4<true>(af[mi],
+                                  As + (kk + (lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + mi * 16 + ((lane >> 3) & 1) * 8);
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            uint32_t r[4];
+            if (b_k_major) {
+                ldmatrix_x4<false>(r, Bs + (n0 + np * 16 + (lane & 7) + ((lane >> 4) << 3)) * KPAD + kk +
+                                          ((lane >> 3) & 1) * 8);
+            } else {
+                ldmatrix_x4<true>(r, Bs + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + np * 16 +
+                                         (lane >> 4) * 8);
+            }
+            bf[2 * np][0] = r[0];
+            bf[2 * np][1] = r[1];
+            bf[2 * np + 1][0] = r[2];
+            bf[2 * np + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                float c[4] = {acc[2 * mi][2 * ni], acc[2 * mi][2 * ni + 1], acc[2 * mi + 1][2 * ni],
+                              acc[2 * mi + 1][2 * ni + 1]};
+                mma16<T>(c, af[mi], bf[ni][0], bf[ni][1]);
+                acc[2 * mi][2 * ni] = c[0];
+                acc[2 * mi][2 * ni + 1] = c[1];
+                acc[2 * mi + 1][2 * ni] = c[2];
+                acc[2 * mi + 1][2 * ni + 1] = c[3];
+            }
+    }
+}
+
+// The accumulators (AccLayout<true>) of this thread for the tile at (row0, col0) of `batch`.
+template <typename T>
+__device__ __forceinline__ void tile_product16(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
+                                               int64_t col0, float (&acc)[8][8], Staging16& sm) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    const StageCopier<T> ca(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
+    const StageCopier<T> cb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
+    const int64_t steps = (p.k + KS - 1) / KS;
+    if (steps == 0) return;
+    // The previous tile's last stage may still be read by other warps.
+    __syncthreads();
+    ca.copy(sm.a[0], 0);
+    cb.copy(sm.b[0], 0);
+    cp_async_commit();
+    for (int64_t s = 0; s < steps; ++s) {
+        const int cur = s & 1;
+        if (s + 1 < steps) {
+            ca.copy(sm.a[cur ^ 1], (s + 1) * KS);
+            cb.copy(sm.b[cur ^ 1], (s + 1) * KS);
+        }
+        cp_async_commit();  // possibly empty: keeps the group count uniform
+        cp_async_wait<1>();  // stage s has landed (for this thread) ...
+        __syncthreads();     // ... and for every thread
+        stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, acc);
+        __syncthreads();     // stage s is free before it is refilled with stage s + 2
+    }
+}
+
+// The staging buffers and tile product of a core: FMA / TF32 (Staging<TC>) or 16-bit (H16).
+template <bool TC, bool H16> struct StagingFor {
+    using type = Staging<TC>;
+};
+template <> struct StagingFor<true, true> {
+    using type = Staging16;
+};
+
+template <typename T, bool TC, bool H16, class S>
+__device__ __forceinline__ void product(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
+                                        int64_t col0, float (&acc)[8][8], S& sm) {
+    if constexpr (H16) {
+        tile_product16<T>(p, a, b, batch, row0, col0, acc, sm);
+    } else {
+        tile_product<T, TC>(p, a, b, batch, row0, col0, acc, sm);
+    }
+}
+
 // Decodes block `blk` of a grid laid out as [batch][row tile][column group].
 struct TileIndex {
     int64_t batch, row_tile, col_group;
@@ -339,11 +530,11 @@ __device__ __forceinline__ void store_run(T* out, int64_t col, int64_t n, const 
     }
 }
 
-template <typename T, bool TC>
+template <typename T, bool TC, bool H16>
 __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
                                            const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
                                            T* __restrict__ out, Problem p, MaskArgs mk) {
-    __shared__ __align__(16) Staging<TC> sm;
+    __shared__ __align__(16) typename StagingFor<TC, H16>::type sm;
     using Layout = AccLayout<TC>;
     constexpr int RUN = Layout::RUN;
     const Layout at;
@@ -357,7 +548,7 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 
     float acc[8][8];
     if (state != EMPTY) {
-        tile_product<T, TC>(p, a, b, tile.batch, row0, col0, acc, sm);
+        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
     }
     const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
 #pragma unroll
@@ -405,11 +596,11 @@ struct ArgminArgs {
     float scale;
 };
 
-template <typename T, bool TC>
+template <typename T, bool TC, bool H16>
 __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,
                                               const float* __restrict__ bias, unsigned long long* __restrict__ keys,
                                               Problem p, ArgminArgs am) {
-    __shared__ __align__(16) Staging<TC> sm;
+    __shared__ __align__(16) typename StagingFor<TC, H16>::type sm;
     const AccLayout<TC> at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
@@ -427,7 +618,7 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     float acc[8][8];
     for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
         const int64_t col0 = ct * TILE;
-        tile_product<T, TC>(p, a, b, tile.batch, row0, col0, acc, sm);
+        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int64_t col = col0 + at.col_of(j);
@@ -477,20 +668,23 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
     }
 }
 
-// `name_f32`: f32 FMA; `name_tc_<dtype>`: tensor cores (TF32-rounded f32, exact f16 / bf16).
-#define MATMUL_KERNELS(T, SUFFIX, VARIANT, TC)                                                             \
+// `name_f32`: f32 FMA; `name_tc_<dtype>`: TF32 tensor cores (TF32-rounded f32, exact f16 / bf16);
+// `name_h16_<dtype>`: the 16-bit core (f16 / bf16 operands that cp.async can copy).
+#define MATMUL_KERNELS(T, SUFFIX, VARIANT, TC, H16)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
         masked_bmm##VARIANT##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan,     \
                                     T* out, Problem p, MaskArgs mk) {                                      \
-        masked_bmm<T, TC>(a, b, mask, plan, out, p, mk);                                                   \
+        masked_bmm<T, TC, H16>(a, b, mask, plan, out, p, mk);                                              \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
         argmin_matmul##VARIANT##SUFFIX(const T* a, const T* b, const float* bias,                          \
                                        unsigned long long* keys, Problem p, ArgminArgs am) {               \
-        argmin_matmul<T, TC>(a, b, bias, keys, p, am);                                                     \
+        argmin_matmul<T, TC, H16>(a, b, bias, keys, p, am);                                                \
     }
 
-MATMUL_KERNELS(float, f32, _, false)
-MATMUL_KERNELS(float, f32, _tc_, true)
-MATMUL_KERNELS(__half, f16, _tc_, true)
-MATMUL_KERNELS(__nv_bfloat16, bf16, _tc_, true)
+MATMUL_KERNELS(float, f32, _, false, false)
+MATMUL_KERNELS(float, f32, _tc_, true, false)
+MATMUL_KERNELS(__half, f16, _tc_, true, false)
+MATMUL_KERNELS(__nv_bfloat16, bf16, _tc_, true, false)
+MATMUL_KERNELS(__half, f16, _h16_, true, true)
+MATMUL_KERNELS(__nv_bfloat16, bf16, _h16_, true, true)
