@@ -198,6 +198,39 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
     Ok(())
 }
 
+/// Enough row tiles that the argmin kernel gives each block several column tiles, which the
+/// 16-bit core streams as one pipeline (the next tile's first stage loads while this tile's scores
+/// are reduced). GPU only: the check is a plain f64 scan of 8000 x 2000 scores.
+#[test]
+fn sixteen_bit_argmin_streams_column_tiles() -> Result<()> {
+    let Some(dev) = gpu() else {
+        return Ok(());
+    };
+    let (batch, m, k, n) = (40, 200, 40, 2000);
+    for dtype in [DType::BF16, DType::F16] {
+        let a = rand_tensor(&[batch, m, k], 1.0, dtype, &dev, 80)?;
+        let b = rand_tensor(&[n, k], 1.0, dtype, &dev, 81)?.t()?;
+        let bias = rand_tensor(&[n], 2.0, DType::F32, &dev, 82)?;
+        let got = argmin_matmul(&a, &b, Some(&bias), -2.0)?
+            .flatten_all()?
+            .to_vec1::<u32>()?;
+        let (av, bv, biasv) = (to_f64(&a)?, to_f64(&b.contiguous()?)?, to_f64(&bias)?);
+        for (r, &j) in got.iter().enumerate() {
+            let score = |j: usize| {
+                let dot: f64 = (0..k).map(|q| av[r * k + q] * bv[q * n + j]).sum();
+                -2.0 * dot + biasv[j]
+            };
+            let best = (0..n).map(score).fold(f64::INFINITY, f64::min);
+            assert!(
+                (j as usize) < n && score(j as usize) <= best + 1e-5 + 2e-6 * k as f64,
+                "{dtype:?} row {r}: index {j} scores {} against the best {best}",
+                score(j as usize)
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn masked_bmm_empty_dims_and_plans() -> Result<()> {
     for_each_device(|dev| {

@@ -326,19 +326,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* src) {
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(src));
-    if constexpr (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    }
-}
-
 template <typename T> __device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 template <> __device__ __forceinline__ void mma16<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -390,34 +377,61 @@ template <typename T> struct StageCopier {
     }
 };
 
+// This thread's ldmatrix row address (byte offset in a stage buffer at k 0) for the warp's first
+// 16-row block of A and first pair of 8-column blocks of B; the others follow at fixed strides.
+struct FragmentOffsets {
+    uint32_t a, b;
+
+    __device__ __forceinline__ FragmentOffsets(bool a_k_major, bool b_k_major) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+        a = a_k_major ? 2 * ((m0 + (lane & 15)) * KPAD + (lane >> 4) * 8)
+                      : 2 * (((lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + ((lane >> 3) & 1) * 8);
+        b = b_k_major ? 2 * ((n0 + (lane & 7) + ((lane >> 4) << 3)) * KPAD + ((lane >> 3) & 1) * 8)
+                      : 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + (lane >> 4) * 8);
+    }
+};
+
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_at(uint32_t (&r)[4], uint32_t addr) {
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    }
+}
+
 // One stage's products: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
 // fragments (8 columns each) by ldmatrix, then 16 mma.
 template <typename T>
 __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16_t* Bs, bool a_k_major, bool b_k_major,
-                                                float (&acc)[8][8]) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+                                                const FragmentOffsets& off, float (&acc)[8][8]) {
+    const uint32_t a_base = static_cast<uint32_t>(__cvta_generic_to_shared(As));
+    const uint32_t b_base = static_cast<uint32_t>(__cvta_generic_to_shared(Bs));
 #pragma unroll
-    for (int kk = 0; kk < KS; kk += 16) {
+    for (int step = 0; step < KS / 16; ++step) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
+            // 16 rows further: 16 smem rows ([outer][k]) or 16 elements along a row ([k][outer]).
+            const uint32_t addr = a_base + off.a + mi * (a_k_major ? 32 * KPAD : 32) + step * (a_k_major ? 32 : 32 * OPAD);
             if (a_k_major) {
-                ldmatrix_x4<false>(af[mi], As + (m0 + mi * 16 + (lane & 15)) * KPAD + kk + (lane >> 4) * 8);
+                ldmatrix_at<false>(af[mi], addr);
             } else {
-                ldmatrix_x4<true>(af[mi],
-                                  As + (kk + (lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + mi * 16 + ((lane >> 3) & 1) * 8);
+                ldmatrix_at<true>(af[mi], addr);
             }
         }
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
             uint32_t r[4];
+            const uint32_t addr = b_base + off.b + np * (b_k_major ? 32 * KPAD : 32) + step * (b_k_major ? 32 : 32 * OPAD);
             if (b_k_major) {
-                ldmatrix_x4<false>(r, Bs + (n0 + np * 16 + (lane & 7) + ((lane >> 4) << 3)) * KPAD + kk +
-                                          ((lane >> 3) & 1) * 8);
+                ldmatrix_at<false>(r, addr);
             } else {
-                ldmatrix_x4<true>(r, Bs + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + np * 16 +
-                                         (lane >> 4) * 8);
+                ldmatrix_at<true>(r, addr);
             }
             bf[2 * np][0] = r[0];
             bf[2 * np][1] = r[1];
@@ -451,6 +465,7 @@ __device__ __forceinline__ void tile_product16(const Problem& p, const T* a, con
     const StageCopier<T> cb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
     const int64_t steps = (p.k + KS - 1) / KS;
     if (steps == 0) return;
+    const FragmentOffsets off(ca.k_major, cb.k_major);
     // The previous tile's last stage may still be read by other warps.
     __syncthreads();
     ca.copy(sm.a[0], 0);
@@ -465,7 +480,7 @@ __device__ __forceinline__ void tile_product16(const Problem& p, const T* a, con
         cp_async_commit();  // possibly empty: keeps the group count uniform
         cp_async_wait<1>();  // stage s has landed (for this thread) ...
         __syncthreads();     // ... and for every thread
-        stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, acc);
+        stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
         __syncthreads();     // stage s is free before it is refilled with stage s + 2
     }
 }
@@ -578,12 +593,13 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 // ---------------------------------------------------------------------------------------------
 // argmin_matmul
 
-// Float bits mapped so unsigned order is numeric order; -0 is folded into +0 and every NaN into
-// one positive NaN, which sorts above +inf (a row of NaN scores still gets an index).
+// Float bits mapped so unsigned order is numeric order (a sign-dependent xor), every NaN folded
+// into one positive NaN that sorts above +inf (a row of NaN scores still gets an index). -0 sorts
+// just below +0: the epilogue folds a -0 bias into +0, so a score is -0 only when it rounds to
+// zero from below.
 __device__ __forceinline__ uint32_t ordered_bits(float v) {
-    v = v + 0.0f;
-    uint32_t bits = isnan(v) ? 0x7fc00000u : __float_as_uint(v);
-    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    const uint32_t bits = isnan(v) ? 0x7fc00000u : __float_as_uint(v);
+    return bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
 }
 
 __device__ __forceinline__ unsigned long long min_key(unsigned long long x, unsigned long long y) {
@@ -616,14 +632,13 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
         best_col[i] = ~0u;
     }
     float acc[8][8];
-    for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
-        const int64_t col0 = ct * TILE;
-        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
+    // The tile's scores into the running minima.
+    auto consume = [&](int64_t col0) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int64_t col = col0 + at.col_of(j);
             if (col >= p.n) continue;
-            const float cb = bias[col];
+            const float cb = bias[col] + 0.0f;  // -0 -> +0
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const uint32_t bits = ordered_bits(fmaf(am.scale, acc[i][j], cb));
@@ -633,6 +648,11 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
                 }
             }
         }
+    };
+    for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
+        const int64_t col0 = ct * TILE;
+        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
+        consume(col0);
     }
     unsigned long long best[8];
 #pragma unroll
