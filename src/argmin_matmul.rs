@@ -25,7 +25,9 @@ const OP: &str = "argmin_matmul";
 /// * `b` may be a transposed view (`centroids.t()`): read in place, never copied. Leading dims
 ///   of `a` that do not collapse into one stride are copied.
 /// * dtypes: f32 (true f32 FMAs, or TF32 tensor cores after [`crate::set_matmul_tf32`]), f16 and
-///   bf16 (tensor cores, exact products, f32 accumulation), f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
+///   bf16 (tensor cores, exact products, f32 accumulation: native 16-bit `mma.m16n8k16` when
+///   both operands' rows start on 8-element boundaries, as for `centroids.t()` with `d` a
+///   multiple of 8; TF32 kernels otherwise), f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
 /// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`.
 ///
 /// ```
@@ -321,7 +323,7 @@ impl CustomOp3 for ArgminMatmul {
 mod cuda {
     use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
     use crate::matmul_core::{
-        cuda::{core_kernel_name, ProblemArgs},
+        cuda::{core_kernel, ProblemArgs},
         MatView, TILE,
     };
     use candle_core::cuda_backend::cudarc::driver::{
@@ -377,16 +379,12 @@ mod cuda {
         };
         let a = a.slice(av.start..);
         let b = b.slice(bv.start..);
+        let (product, shared_mem_bytes) = core_kernel::<T>(dev, "argmin_matmul", &problem)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes,
         };
-        let product = Kernel::load(
-            dev,
-            Module::Matmul,
-            &core_kernel_name::<T>("argmin_matmul", &problem),
-        )?;
         // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
         // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
         unsafe {

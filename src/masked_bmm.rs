@@ -102,8 +102,12 @@ impl MaskPlan {
 ///   when aligned); a mask whose rows are not contiguous is copied.
 /// * Precision: f32 runs true f32 FMAs by default, or TF32 tensor cores after
 ///   [`crate::set_matmul_tf32`]`(true)` (inputs rounded to 10 mantissa bits, f32 accumulation).
-///   f16 and bf16 run on tensor cores with exact products (their values are exact in TF32) and
-///   f32 accumulation. f64 in f64, CPU only. The CPU computes f16/bf16 in f32 and ignores TF32.
+///   f16 and bf16 run on tensor cores with exact products and f32 accumulation: native 16-bit
+///   `mma.m16n8k16` (operands copied with `cp.async`, fragments by `ldmatrix`) when both operands
+///   have a contiguous dim whose rows start on 8-element boundaries (any contiguous or
+///   transposed tensor with sizes that are multiples of 8), otherwise the TF32 kernels (their
+///   values are exact in TF32). f64 in f64, CPU only. The CPU computes f16/bf16 in f32 and
+///   ignores TF32.
 /// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)`, composed from candle
 ///   ops (they do not skip empty tiles).
 ///
@@ -428,8 +432,8 @@ impl CustomOp3 for MaskedBmm {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Dims, TILE};
-    use crate::cuda::{alloc_output, Kernel, Module};
-    use crate::matmul_core::cuda::{core_kernel_name, ProblemArgs};
+    use crate::cuda::alloc_output;
+    use crate::matmul_core::cuda::{core_kernel, ProblemArgs};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
@@ -473,19 +477,15 @@ mod cuda {
             let problem = ProblemArgs::new(&dims.a, &dims.b);
             let a = a.slice(dims.a.start..);
             let b = b.slice(dims.b.start..);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
             if blocks > i32::MAX as usize {
                 candle_core::bail!("masked_bmm: too many output tiles ({blocks})");
             }
-            let kernel = Kernel::load(
-                dev,
-                Module::Matmul,
-                &core_kernel_name::<T>("masked_bmm", &problem),
-            )?;
+            let (kernel, shared_mem_bytes) = core_kernel::<T>(dev, "masked_bmm", &problem)?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes,
+            };
             // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
             // the kernel bounds every access by the problem's sizes and strides, which come
             // from the operands' layouts.

@@ -177,6 +177,28 @@ pub(crate) mod cuda {
     /// f16 / bf16, and for f32 when [`super::matmul_tf32`] is on; the FMA form otherwise.
     /// f16 / bf16 operands that suit 16-byte copies take the 16-bit core (`_h16`), unless the
     /// `FASTOPS_MATMUL_H16=0` tuning variable is set.
+    /// Dynamic shared memory of the 16-bit core's kernels (`sizeof(Staging16)` in the kernels).
+    pub(crate) const H16_SHARED_BYTES: usize = 81920;
+
+    /// The kernel for `T` and `problem` (see [`core_kernel_name`]), loaded, and the dynamic
+    /// shared memory its launches need.
+    pub(crate) fn core_kernel<T: WithDType>(
+        dev: &candle_core::CudaDevice,
+        base: &str,
+        problem: &ProblemArgs,
+    ) -> candle_core::Result<(crate::cuda::Kernel, u32)> {
+        use crate::cuda::{Kernel, Module};
+        let name = core_kernel_name::<T>(base, problem);
+        let kernel = Kernel::load(dev, Module::Matmul, &name)?;
+        let shared = if name.contains("_h16") {
+            kernel.allow_dynamic_shared(H16_SHARED_BYTES)?;
+            H16_SHARED_BYTES as u32
+        } else {
+            0
+        };
+        Ok((kernel, shared))
+    }
+
     pub(crate) fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> String {
         if T::DTYPE == DType::F32 && !super::matmul_tf32() {
             kernel_name::<T>(base)

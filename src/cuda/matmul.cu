@@ -301,7 +301,8 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
 // The 16-bit core (`_h16` kernels, f16 / bf16 operands whose rows are 16-byte aligned and whose
 // contiguous dim is k or outer): the same 128 x 128 tiles, warps and accumulator layout as the
 // TF32 core, but operands stay 16-bit all the way: cp.async copies 16-byte chunks from global to
-// shared memory (two stages of 32 k in flight, no staging registers, no conversion), ldmatrix
+// shared memory (STAGES16 stages of 32 k, three in flight while one is used; dynamic shared
+// memory, 80 KiB per block), no staging registers, no conversion, ldmatrix
 // loads the fragments (one instruction per 16 x 16 of A or 16 x 16 of B, transposed on the way
 // when the operand is outer-contiguous), and mma.m16n8k16 does twice the work per instruction of
 // m16n8k8 TF32. Products of 16-bit values are exact in the f32 accumulators.
@@ -311,11 +312,15 @@ constexpr int KPAD = KS + 8;      // [outer][k] rows: 80 bytes, so ldmatrix's 8 
 constexpr int OPAD = TILE + 8;    // [k][outer] rows: 272 bytes, likewise
 constexpr int STAGE16 = TILE * KPAD;  // halves per operand and stage (>= KS * OPAD)
 static_assert(KS * OPAD <= STAGE16, "either layout fits a stage");
+constexpr int STAGES16 = 4;
 
+// Dynamic shared memory of the `_h16` kernels: 81920 bytes, `H16_SHARED_BYTES` in
+// src/matmul_core.rs.
 struct Staging16 {
-    uint16_t a[2][STAGE16];
-    uint16_t b[2][STAGE16];
+    uint16_t a[STAGES16][STAGE16];
+    uint16_t b[STAGES16][STAGE16];
 };
+static_assert(sizeof(Staging16) == 81920, "mirrors H16_SHARED_BYTES");
 
 __device__ __forceinline__ void cp_async16(uint16_t* dst, const void* src, int src_bytes) {
     const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -466,32 +471,41 @@ __device__ __forceinline__ void tile_product16(const Problem& p, const T* a, con
     const int64_t steps = (p.k + KS - 1) / KS;
     if (steps == 0) return;
     const FragmentOffsets off(ca.k_major, cb.k_major);
-    // The previous tile's last stage may still be read by other warps.
+    // The previous tile's last stages may still be read by other warps.
     __syncthreads();
-    ca.copy(sm.a[0], 0);
-    cb.copy(sm.b[0], 0);
-    cp_async_commit();
-    for (int64_t s = 0; s < steps; ++s) {
-        const int cur = s & 1;
-        if (s + 1 < steps) {
-            ca.copy(sm.a[cur ^ 1], (s + 1) * KS);
-            cb.copy(sm.b[cur ^ 1], (s + 1) * KS);
+#pragma unroll
+    for (int st = 0; st < STAGES16 - 1; ++st) {
+        if (st < steps) {
+            ca.copy(sm.a[st], st * KS);
+            cb.copy(sm.b[st], st * KS);
         }
-        cp_async_commit();  // possibly empty: keeps the group count uniform
-        cp_async_wait<1>();  // stage s has landed (for this thread) ...
-        __syncthreads();     // ... and for every thread
+        cp_async_commit();  // possibly empty: one group per stage keeps the count uniform
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+        cp_async_wait<STAGES16 - 2>();  // stage s has landed (for this thread) ...
+        __syncthreads();  // ... and for every thread, which are all done with stage s - 1
+        const int64_t ahead = s + STAGES16 - 1;
+        if (ahead < steps) {
+            const int buf = static_cast<int>(ahead % STAGES16);
+            ca.copy(sm.a[buf], ahead * KS);
+            cb.copy(sm.b[buf], ahead * KS);
+        }
+        cp_async_commit();
+        const int cur = static_cast<int>(s % STAGES16);
         stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
-        __syncthreads();     // stage s is free before it is refilled with stage s + 2
     }
 }
 
-// The staging buffers and tile product of a core: FMA / TF32 (Staging<TC>) or 16-bit (H16).
-template <bool TC, bool H16> struct StagingFor {
-    using type = Staging<TC>;
-};
-template <> struct StagingFor<true, true> {
-    using type = Staging16;
-};
+// The staging buffers of a core: FMA / TF32 (static Staging<TC>) or 16-bit (dynamic Staging16).
+template <bool TC, bool H16> __device__ __forceinline__ auto& staging() {
+    if constexpr (H16) {
+        extern __shared__ __align__(16) uint8_t dynamic_smem[];
+        return *reinterpret_cast<Staging16*>(dynamic_smem);
+    } else {
+        __shared__ __align__(16) Staging<TC> sm;
+        return sm;
+    }
+}
 
 template <typename T, bool TC, bool H16, class S>
 __device__ __forceinline__ void product(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
@@ -549,7 +563,7 @@ template <typename T, bool TC, bool H16>
 __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
                                            const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
                                            T* __restrict__ out, Problem p, MaskArgs mk) {
-    __shared__ __align__(16) typename StagingFor<TC, H16>::type sm;
+    auto& sm = staging<TC, H16>();
     using Layout = AccLayout<TC>;
     constexpr int RUN = Layout::RUN;
     const Layout at;
@@ -616,7 +630,7 @@ template <typename T, bool TC, bool H16>
 __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,
                                               const float* __restrict__ bias, unsigned long long* __restrict__ keys,
                                               Problem p, ArgminArgs am) {
-    __shared__ __align__(16) typename StagingFor<TC, H16>::type sm;
+    auto& sm = staging<TC, H16>();
     const AccLayout<TC> at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
@@ -642,7 +656,10 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const uint32_t bits = ordered_bits(fmaf(am.scale, acc[i][j], cb));
-                if (bits < best_bits[i] || best_col[i] == ~0u) {
+                // Every key is below the all-ones start (the largest is a NaN's, 0xffc00000), so
+                // the first score always takes; the FMA / TF32 kernels keep the explicit
+                // first-score test, without which their register allocation spills.
+                if (bits < best_bits[i] || (!H16 && best_col[i] == ~0u)) {
                     best_bits[i] = bits;
                     best_col[i] = static_cast<uint32_t>(col);
                 }

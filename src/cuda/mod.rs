@@ -76,6 +76,18 @@ impl Kernel {
         Ok(())
     }
 
+    /// Lets the kernel launch with up to `bytes` of dynamic shared memory (past the 48 KiB a
+    /// kernel gets without asking).
+    pub(crate) fn allow_dynamic_shared(&self, bytes: usize) -> Result<()> {
+        use driver::sys::CUfunction_attribute_enum as Attr;
+        self.func
+            .set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .w()
+    }
+
     /// How many blocks of `threads` threads and `shared_mem_bytes` of dynamic shared memory fit
     /// on one multiprocessor at once (registers, shared memory and thread limits), at least 1.
     pub(crate) fn resident_blocks_per_sm(
