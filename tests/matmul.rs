@@ -198,6 +198,74 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
     Ok(())
 }
 
+/// The 16-bit argmin's pairwise epilogue: planted ties between small-integer scores (exact in
+/// bf16) go to the lowest column, and a NaN column never wins over numbers (it sits next to a
+/// real column in its pair, on both sides).
+#[test]
+fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
+    for_each_device(|dev| {
+        let (m, k, n) = (200, 8, 300);
+        let mut rng = rng(210);
+        let a: Vec<f32> = (0..m * k)
+            .map(|_| rng.random_range(-3..=3) as f32)
+            .collect();
+        let mut cols: Vec<Vec<f32>> = (0..n)
+            .map(|_| (0..k).map(|_| rng.random_range(-3..=3) as f32).collect())
+            .collect();
+        for j in (0..n).step_by(5) {
+            let src = rng.random_range(0..n);
+            cols[j] = cols[src].clone();
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            let b = Tensor::from_vec(cols.concat(), (n, k), dev)?
+                .to_dtype(dtype)?
+                .t()?;
+            let at = Tensor::from_vec(a.clone(), (m, k), dev)?.to_dtype(dtype)?;
+            let got = argmin_matmul(&at, &b, None, 1.0)?.to_vec1::<u32>()?;
+            let scores = argmin_reference(
+                &to_f64(&at)?,
+                &to_f64(&b)?,
+                &vec![0.0; n],
+                1.0,
+                (1, m, k, n),
+            );
+            for (r, row) in scores.iter().enumerate() {
+                let best = row.iter().cloned().fold(f64::INFINITY, f64::min);
+                let first = row.iter().position(|&v| v == best).unwrap() as u32;
+                assert_eq!(
+                    got[r], first,
+                    "{dtype:?} row {r}: tie must go to the lowest column"
+                );
+            }
+            // NaN in columns 10 (left of its pair) and 13 (right of its pair).
+            let mut nan_cols = cols.clone();
+            nan_cols[10][0] = f32::NAN;
+            nan_cols[13][3] = f32::NAN;
+            let b = Tensor::from_vec(nan_cols.concat(), (n, k), dev)?
+                .to_dtype(dtype)?
+                .t()?;
+            let got = argmin_matmul(&at, &b, None, 1.0)?.to_vec1::<u32>()?;
+            for (r, row) in scores.iter().enumerate() {
+                let best = row
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != 10 && j != 13)
+                    .map(|(_, &v)| v)
+                    .fold(f64::INFINITY, f64::min);
+                let first = (0..n)
+                    .find(|&j| j != 10 && j != 13 && row[j] == best)
+                    .unwrap() as u32;
+                assert_eq!(
+                    got[r], first,
+                    "{dtype:?} row {r}: a NaN column must not win"
+                );
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 /// Enough row tiles that the argmin kernel gives each block several column tiles, which the
 /// 16-bit core streams as one pipeline (the next tile's first stage loads while this tile's scores
 /// are reduced). GPU only: the check is a plain f64 scan of 8000 x 2000 scores.

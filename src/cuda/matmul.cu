@@ -647,21 +647,29 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     }
     float acc[8][8];
     // The tile's scores into the running minima.
+    // The tile's scores into the running minima, a pair of adjacent columns at a time (both
+    // accumulator layouts hold columns in adjacent pairs): the lower of the two, the left one on a
+    // tie, a number over a NaN, then one ordered-key compare for the pair.
     auto consume = [&](int64_t col0) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 8; j += 2) {
             const int64_t col = col0 + at.col_of(j);
             if (col >= p.n) continue;
+            const bool has_right = col + 1 < p.n;
             const float cb = bias[col] + 0.0f;  // -0 -> +0
+            const float cb_right = has_right ? bias[col + 1] + 0.0f : 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const uint32_t bits = ordered_bits(fmaf(am.scale, acc[i][j], cb));
+                const float left = fmaf(am.scale, acc[i][j], cb);
+                const float right = has_right ? fmaf(am.scale, acc[i][j + 1], cb_right) : left;
+                const bool take_right = !(left <= right) && right == right;
+                const uint32_t bits = ordered_bits(take_right ? right : left);
                 // Every key is below the all-ones start (the largest is a NaN's, 0xffc00000), so
                 // the first score always takes; the FMA / TF32 kernels keep the explicit
                 // first-score test, without which their register allocation spills.
                 if (bits < best_bits[i] || (!H16 && best_col[i] == ~0u)) {
                     best_bits[i] = bits;
-                    best_col[i] = static_cast<uint32_t>(col);
+                    best_col[i] = static_cast<uint32_t>(take_right ? col + 1 : col);
                 }
             }
         }
