@@ -199,7 +199,7 @@ pub(crate) mod cuda {
         Ok((kernel, shared))
     }
 
-    pub(crate) fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> String {
+    fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> String {
         if T::DTYPE == DType::F32 && !super::matmul_tf32() {
             kernel_name::<T>(base)
         } else if T::DTYPE != DType::F32

@@ -205,17 +205,7 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
 fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
     for_each_device(|dev| {
         let (m, k, n) = (200, 8, 300);
-        let mut rng = rng(210);
-        let a: Vec<f32> = (0..m * k)
-            .map(|_| rng.random_range(-3..=3) as f32)
-            .collect();
-        let mut cols: Vec<Vec<f32>> = (0..n)
-            .map(|_| (0..k).map(|_| rng.random_range(-3..=3) as f32).collect())
-            .collect();
-        for j in (0..n).step_by(5) {
-            let src = rng.random_range(0..n);
-            cols[j] = cols[src].clone();
-        }
+        let (a, cols) = planted_ties(m, k, n, 5, 210);
         for dtype in [DType::BF16, DType::F16] {
             let b = Tensor::from_vec(cols.concat(), (n, k), dev)?
                 .to_dtype(dtype)?
@@ -229,14 +219,7 @@ fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
                 1.0,
                 (1, m, k, n),
             );
-            for (r, row) in scores.iter().enumerate() {
-                let best = row.iter().cloned().fold(f64::INFINITY, f64::min);
-                let first = row.iter().position(|&v| v == best).unwrap() as u32;
-                assert_eq!(
-                    got[r], first,
-                    "{dtype:?} row {r}: tie must go to the lowest column"
-                );
-            }
+            assert_lowest_best(&got, &scores, &[], &format!("{dtype:?} planted ties"));
             // NaN in columns 10 (left of its pair) and 13 (right of its pair).
             let mut nan_cols = cols.clone();
             nan_cols[10][0] = f32::NAN;
@@ -245,21 +228,7 @@ fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
                 .to_dtype(dtype)?
                 .t()?;
             let got = argmin_matmul(&at, &b, None, 1.0)?.to_vec1::<u32>()?;
-            for (r, row) in scores.iter().enumerate() {
-                let best = row
-                    .iter()
-                    .enumerate()
-                    .filter(|&(j, _)| j != 10 && j != 13)
-                    .map(|(_, &v)| v)
-                    .fold(f64::INFINITY, f64::min);
-                let first = (0..n)
-                    .find(|&j| j != 10 && j != 13 && row[j] == best)
-                    .unwrap() as u32;
-                assert_eq!(
-                    got[r], first,
-                    "{dtype:?} row {r}: a NaN column must not win"
-                );
-            }
+            assert_lowest_best(&got, &scores, &[10, 13], &format!("{dtype:?} NaN columns"));
         }
         Ok(())
     });
@@ -450,23 +419,47 @@ fn argmin_matmul_matches_reference() -> Result<()> {
     Ok(())
 }
 
+/// Small-integer rows `a` `[m, k]` and columns `[n][k]` (every `every`-th column a copy of a
+/// random one): every score is exact in any float dtype and ties are planted.
+fn planted_ties(
+    m: usize,
+    k: usize,
+    n: usize,
+    every: usize,
+    salt: u64,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut rng = rng(salt);
+    let a: Vec<f32> = (0..m * k)
+        .map(|_| rng.random_range(-3..=3) as f32)
+        .collect();
+    let mut cols: Vec<Vec<f32>> = (0..n)
+        .map(|_| (0..k).map(|_| rng.random_range(-3..=3) as f32).collect())
+        .collect();
+    for j in (0..n).step_by(every) {
+        let src = rng.random_range(0..n);
+        cols[j] = cols[src].clone();
+    }
+    (a, cols)
+}
+
+/// Each row's index is exactly the lowest column holding the row's best score, the columns in
+/// `skip` left out (they must never be chosen).
+fn assert_lowest_best(got: &[u32], scores: &[Vec<f64>], skip: &[usize], what: &str) {
+    for (r, row) in scores.iter().enumerate() {
+        let kept = || (0..row.len()).filter(|j| !skip.contains(j));
+        let best = kept().map(|j| row[j]).fold(f64::INFINITY, f64::min);
+        let first = kept().find(|&j| row[j] == best).unwrap() as u32;
+        assert_eq!(got[r], first, "{what}, row {r}: the lowest best column");
+    }
+}
+
 #[test]
 fn argmin_matmul_ties_layouts_and_batches() -> Result<()> {
     for_each_device(|dev| {
         // Small integers: every score is exact, so the index must be exactly the lowest tied
         // column on every device. Columns are duplicated to plant ties.
         let (m, k, n) = (200, 6, 300);
-        let mut rng = rng(200);
-        let a: Vec<f32> = (0..m * k)
-            .map(|_| rng.random_range(-3..=3) as f32)
-            .collect();
-        let mut cols: Vec<Vec<f32>> = (0..n)
-            .map(|_| (0..k).map(|_| rng.random_range(-3..=3) as f32).collect())
-            .collect();
-        for j in (0..n).step_by(7) {
-            let src = rng.random_range(0..n);
-            cols[j] = cols[src].clone();
-        }
+        let (a, cols) = planted_ties(m, k, n, 7, 200);
         // b stored as [n, k] (a centroid table) and used transposed: read in place.
         let bt = Tensor::from_vec(cols.concat(), (n, k), dev)?;
         let b = bt.t()?;
@@ -479,11 +472,7 @@ fn argmin_matmul_ties_layouts_and_batches() -> Result<()> {
             1.0,
             (1, m, k, n),
         );
-        for (r, row) in scores.iter().enumerate() {
-            let best = row.iter().cloned().fold(f64::INFINITY, f64::min);
-            let first = row.iter().position(|&v| v == best).unwrap() as u32;
-            assert_eq!(got[r], first, "row {r}: tie must go to the lowest column");
-        }
+        assert_lowest_best(&got, &scores, &[], "f32 planted ties");
         // Leading batch dims with a shared 2-D b, and with a batched b.
         let a4 = rand_tensor(&[2, 3, 17, 8], 1.0, DType::F32, dev, 201)?;
         let shared = rand_tensor(&[40, 8], 1.0, DType::F32, dev, 202)?.t()?;

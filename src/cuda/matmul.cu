@@ -195,6 +195,18 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Runs `product` on fragment (mi, ni) of the mma accumulator layout (AccLayout<true>) as the
+// mma's C registers c0..c3: rows g and g + 8, columns 2 t and 2 t + 1.
+template <class Product>
+__device__ __forceinline__ void on_fragment(float (&acc)[8][8], int mi, int ni, Product&& product) {
+    float c[4] = {acc[2 * mi][2 * ni], acc[2 * mi][2 * ni + 1], acc[2 * mi + 1][2 * ni], acc[2 * mi + 1][2 * ni + 1]};
+    product(c);
+    acc[2 * mi][2 * ni] = c[0];
+    acc[2 * mi][2 * ni + 1] = c[1];
+    acc[2 * mi + 1][2 * ni] = c[2];
+    acc[2 * mi + 1][2 * ni + 1] = c[3];
+}
+
 // Stage depth along k: the tensor-core kernels do 8x less work per k than the FMA kernels, so
 // they stage 16 per barrier (two mma k-steps) to keep global loads covered.
 template <bool TC> __host__ __device__ constexpr int stage_k() { return TC ? 2 * BK : BK; }
@@ -226,13 +238,7 @@ __device__ __forceinline__ void slice_product(const float (*As)[S], const float 
         for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
             for (int ni = 0; ni < 4; ++ni) {
-                float c[4] = {acc[2 * mi][2 * ni], acc[2 * mi][2 * ni + 1], acc[2 * mi + 1][2 * ni],
-                              acc[2 * mi + 1][2 * ni + 1]};
-                mma_tf32(c, af[mi], bf[ni]);
-                acc[2 * mi][2 * ni] = c[0];
-                acc[2 * mi][2 * ni + 1] = c[1];
-                acc[2 * mi + 1][2 * ni] = c[2];
-                acc[2 * mi + 1][2 * ni + 1] = c[3];
+                on_fragment(acc, mi, ni, [&](float (&c)[4]) { mma_tf32(c, af[mi], bf[ni]); });
             }
         }
     } else {
@@ -323,29 +329,12 @@ struct Staging16 {
 static_assert(sizeof(Staging16) == 81920, "mirrors H16_SHARED_BYTES");
 
 __device__ __forceinline__ void cp_async16(uint16_t* dst, const void* src, int src_bytes) {
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    const uint32_t addr = shared_address(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-template <typename T> __device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <> __device__ __forceinline__ void mma16<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Copies of one operand's TILE (outer) x KS (k) stage: two 16-byte chunks per thread, into
@@ -397,25 +386,13 @@ struct FragmentOffsets {
     }
 };
 
-template <bool TRANS> __device__ __forceinline__ void ldmatrix_at(uint32_t (&r)[4], uint32_t addr) {
-    if constexpr (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    }
-}
-
 // One stage's products: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
 // fragments (8 columns each) by ldmatrix, then 16 mma.
 template <typename T>
 __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16_t* Bs, bool a_k_major, bool b_k_major,
                                                 const FragmentOffsets& off, float (&acc)[8][8]) {
-    const uint32_t a_base = static_cast<uint32_t>(__cvta_generic_to_shared(As));
-    const uint32_t b_base = static_cast<uint32_t>(__cvta_generic_to_shared(Bs));
+    const uint32_t a_base = shared_address(As);
+    const uint32_t b_base = shared_address(Bs);
 #pragma unroll
     for (int step = 0; step < KS / 16; ++step) {
         uint32_t af[4][4], bf[4][2];
@@ -424,9 +401,9 @@ __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16
             // 16 rows further: 16 smem rows ([outer][k]) or 16 elements along a row ([k][outer]).
             const uint32_t addr = a_base + off.a + mi * (a_k_major ? 32 * KPAD : 32) + step * (a_k_major ? 32 : 32 * OPAD);
             if (a_k_major) {
-                ldmatrix_at<false>(af[mi], addr);
+                ldmatrix_x4<false>(af[mi], addr);
             } else {
-                ldmatrix_at<true>(af[mi], addr);
+                ldmatrix_x4<true>(af[mi], addr);
             }
         }
 #pragma unroll
@@ -434,9 +411,9 @@ __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16
             uint32_t r[4];
             const uint32_t addr = b_base + off.b + np * (b_k_major ? 32 * KPAD : 32) + step * (b_k_major ? 32 : 32 * OPAD);
             if (b_k_major) {
-                ldmatrix_at<false>(r, addr);
+                ldmatrix_x4<false>(r, addr);
             } else {
-                ldmatrix_at<true>(r, addr);
+                ldmatrix_x4<true>(r, addr);
             }
             bf[2 * np][0] = r[0];
             bf[2 * np][1] = r[1];
@@ -447,13 +424,7 @@ __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16
         for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
             for (int ni = 0; ni < 4; ++ni) {
-                float c[4] = {acc[2 * mi][2 * ni], acc[2 * mi][2 * ni + 1], acc[2 * mi + 1][2 * ni],
-                              acc[2 * mi + 1][2 * ni + 1]};
-                mma16<T>(c, af[mi], bf[ni][0], bf[ni][1]);
-                acc[2 * mi][2 * ni] = c[0];
-                acc[2 * mi][2 * ni + 1] = c[1];
-                acc[2 * mi + 1][2 * ni] = c[2];
-                acc[2 * mi + 1][2 * ni + 1] = c[3];
+                on_fragment(acc, mi, ni, [&](float (&c)[4]) { mma_m16n8k16<T>(c, af[mi], bf[ni][0], bf[ni][1]); });
             }
     }
 }

@@ -472,10 +472,11 @@ __device__ __forceinline__ void features(bool factored, const Inputs& s, float (
 }  // namespace
 
 // Updates every element's accumulators in place (they hold the previous step's on entry) and adds
-// the squares of its features into feat_sum[tensor * 28 + f] (zeroed by the host).
-__device__ __forceinline__ void stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
-                                      uint32_t n_chunks, uint32_t first, const StepTensors& ptrs, const Buffers& buf,
-                                      const Decays& d) {
+// the squares of its features into feat_sum[tensor * 28 + f] (zeroed by the host). Three resident
+// blocks per multiprocessor at 80 registers, no spills.
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+    lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
+               StepTensors ptrs, Buffers buf, Decays d) {
     __shared__ float partial[WARPS][FEATURES];
     float acc[FEATURES];
 #pragma unroll
@@ -518,13 +519,6 @@ __device__ __forceinline__ void stats(const LoptMeta* __restrict__ meta, const C
         }
     }
     if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
-}
-
-// Three resident blocks per multiprocessor at 80 registers, no spills.
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
-    lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
-               StepTensors ptrs, Buffers buf, Decays d) {
-    stats(meta, chunks, n_chunks, first, ptrs, buf, d);
 }
 
 namespace {
@@ -596,11 +590,7 @@ __device__ __forceinline__ Split2 split_half2(float a, float b) {
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    fastops::mma_m16n8k16<__half>(c, a, b[0], b[1]);
 }
 
 // Feature rows of the warp's 32 elements: 32 hi k-slots (features 0..27, a constant 1 that
@@ -688,13 +678,6 @@ __device__ __forceinline__ void relu_to_a(const float (&acc)[4][4], SplitA& a) {
     }
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __half* src) {
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(src));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 // The warp's 32 elements (lane = element, x already normalised; zeros for idle lanes) through the
 // MLP; each lane gets its element's direction and magnitude.
 template <bool SPLIT_IN, bool SPLIT_HIDDEN>
@@ -727,8 +710,8 @@ __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE
         const __half* src = tile[mt * 16 + (m & 1) * 8 + (lane & 7)] + (m >> 1) * 8;
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
-            ldmatrix_x4(a[mt].hi[kt], src + kt * 16);
-            if (SPLIT_IN) ldmatrix_x4(a[mt].lo[kt], src + 32 + kt * 16);
+            fastops::ldmatrix_x4<false>(a[mt].hi[kt], fastops::shared_address(src + kt * 16));
+            if (SPLIT_IN) fastops::ldmatrix_x4<false>(a[mt].lo[kt], fastops::shared_address(src + 32 + kt * 16));
         }
     }
     const int t = lane & 3;

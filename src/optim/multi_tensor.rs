@@ -177,6 +177,8 @@ struct Group {
     n_chunks: u32,
     tiles: Tensor,
     n_tiles: u32,
+    /// Whether any matrix of the group takes the chunk-walking square sums (not tiled).
+    chunked_matrices: bool,
 }
 
 /// The state of every tensor in flat device buffers, and the static tables of the kernels.
@@ -334,6 +336,8 @@ impl DeviceState {
                 n_chunks: chunks.len() as u32,
                 chunks: upload(&chunks, dev)?,
                 n_tiles: tiles.len() as u32,
+                chunked_matrices: (first..first + count)
+                    .any(|t| metas[t].factored != 0 && metas[t].tiled == 0),
                 tiles: upload(&tiles, dev)?,
             });
         }
@@ -499,10 +503,12 @@ impl DeviceState {
             // is a live contiguous f32 buffer of its tensor's element count, and the state,
             // factor and scratch buffers were sized from the same table.
             unsafe {
-                let runs = n_chunks.div_ceil(SQUARE_SUM_RUN);
-                square_sums.launch(grid(caps[0], runs), |a| {
-                    chunk_args!(a);
-                })?;
+                if group.chunked_matrices {
+                    let runs = n_chunks.div_ceil(SQUARE_SUM_RUN);
+                    square_sums.launch(grid(caps[0], runs), |a| {
+                        chunk_args!(a);
+                    })?;
+                }
                 if n_tiles > 0 {
                     square_sums_tiled.launch(grid(caps[4], n_tiles), |a| {
                         a.arg(&meta)
