@@ -713,12 +713,15 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
                 "matmul alone",
                 || q.matmul(&kt).map(drop),
             )?;
-            if dev.is_cuda() && dtype == DType::F32 {
-                // The opt-in TF32 mode against candle's own TF32 GEMM (reduced precision on).
-                with_tf32(|| {
+            for (mode, suffix) in OTHER_F32_MODES {
+                if !dev.is_cuda() || dtype != DType::F32 {
+                    break;
+                }
+                // Plain FMAs and TF32 (against candle's own TF32 GEMM) next to the default.
+                with_f32_mode(mode, || {
                     b.compare(
                         OP,
-                        &format!("{case} plan tf32"),
+                        &format!("{case} plan {suffix}"),
                         dtype,
                         Work::Flops(flops),
                         || {
@@ -731,7 +734,7 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
                             )
                             .map(drop)
                         },
-                        "matmul + where_cond, tf32",
+                        &format!("matmul + where_cond, {suffix}"),
                         || masked_bmm_composite(&q, &kt, &mask, &fill).map(drop),
                     )
                 })?;
@@ -741,17 +744,26 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
-/// Runs `f` with TF32 allowed in this crate's matmul kernels and in candle's f32 GEMM.
-fn with_tf32<R>(f: impl FnOnce() -> R) -> R {
-    candle_fastops::set_matmul_tf32(true);
+/// Runs `f` with this crate's f32 matmul kernels in `mode`; TF32 also allows it in candle's f32
+/// GEMM (the baseline).
+fn with_f32_mode<R>(mode: candle_fastops::F32Matmul, f: impl FnOnce() -> R) -> R {
+    candle_fastops::set_f32_matmul(mode);
     #[cfg(feature = "cuda")]
-    candle_core::cuda_backend::set_gemm_reduced_precision_f32(true);
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(
+        mode == candle_fastops::F32Matmul::Tf32,
+    );
     let r = f();
-    candle_fastops::set_matmul_tf32(false);
+    candle_fastops::set_f32_matmul(candle_fastops::F32Matmul::default());
     #[cfg(feature = "cuda")]
     candle_core::cuda_backend::set_gemm_reduced_precision_f32(false);
     r
 }
+
+/// The non-default f32 modes benched on CUDA, with their row suffixes.
+const OTHER_F32_MODES: [(candle_fastops::F32Matmul, &str); 2] = [
+    (candle_fastops::F32Matmul::Fma, "fma"),
+    (candle_fastops::F32Matmul::Tf32, "tf32"),
+];
 
 /// k-means assignment as a candle user writes it: `-2 x.c^T + |c|^2`, argmin, in row chunks so
 /// the n x c matrix fits.
@@ -793,17 +805,19 @@ fn bench_kmeans(b: &mut Bench) -> Result<()> {
             || kmeans_composite(&x, &centroids, chunk).map(drop),
         )?;
         if dev.is_cuda() {
-            with_tf32(|| {
-                b.compare(
-                    OP,
-                    &format!("n={n} c={c} d={d} tf32"),
-                    DType::F32,
-                    Work::Flops(2.0 * (n * c * d) as f64),
-                    || candle_fastops::kmeans_assign(&x, &centroids).map(drop),
-                    &format!("matmul+argmin, chunks of {chunk}, tf32"),
-                    || kmeans_composite(&x, &centroids, chunk).map(drop),
-                )
-            })?;
+            for (mode, suffix) in OTHER_F32_MODES {
+                with_f32_mode(mode, || {
+                    b.compare(
+                        OP,
+                        &format!("n={n} c={c} d={d} {suffix}"),
+                        DType::F32,
+                        Work::Flops(2.0 * (n * c * d) as f64),
+                        || candle_fastops::kmeans_assign(&x, &centroids).map(drop),
+                        &format!("matmul+argmin, chunks of {chunk}, {suffix}"),
+                        || kmeans_composite(&x, &centroids, chunk).map(drop),
+                    )
+                })?;
+            }
             let (xh, ch) = (x.to_dtype(DType::BF16)?, centroids.to_dtype(DType::BF16)?);
             b.compare(
                 OP,

@@ -24,10 +24,12 @@ const OP: &str = "argmin_matmul";
 ///   score counts as larger than every number (a row of NaN scores gets index 0).
 /// * `b` may be a transposed view (`centroids.t()`): read in place, never copied. Leading dims
 ///   of `a` that do not collapse into one stride are copied.
-/// * dtypes: f32 (true f32 FMAs, or TF32 tensor cores after [`crate::set_matmul_tf32`]), f16 and
-///   bf16 (tensor cores, exact products, f32 accumulation: native 16-bit `mma.m16n8k16` when
-///   both operands' rows start on 8-element boundaries, as for `centroids.t()` with `d` a
-///   multiple of 8; TF32 kernels otherwise), f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
+/// * dtypes: f32 on CUDA as [`crate::set_f32_matmul`] says: by default f32-accurate
+///   error-compensated tensor-core products ([`crate::F32Matmul::Compensated`], three TF32 passes,
+///   when rows start on 4-element boundaries; f32 FMAs otherwise), or plain f32 FMAs, or TF32.
+///   f16 and bf16 run on tensor cores, exact products, f32 accumulation: native 16-bit
+///   `mma.m16n8k16` when both operands' rows start on 8-element boundaries, as for
+///   `centroids.t()` with `d` a multiple of 8; TF32 kernels otherwise. f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
 /// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`.
 ///
 /// ```

@@ -79,7 +79,7 @@ pub use bias_add::{bias_add, bias_add_};
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};
 pub use masked_bmm::{masked_bmm, masked_bmm_with_plan, MaskPlan};
-pub use matmul_core::{matmul_tf32, set_matmul_tf32};
+pub use matmul_core::{f32_matmul, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
 pub use reduce_plan::ReducePlan;

@@ -100,9 +100,11 @@ impl MaskPlan {
 ///   the batch); the result is `[batch, m, n]` in the dtype of `a` and `b`.
 /// * Any layout: transposed or sliced `a` and `b` are read in place (on CUDA with vector loads
 ///   when aligned); a mask whose rows are not contiguous is copied.
-/// * Precision: f32 runs true f32 FMAs by default, or TF32 tensor cores after
-///   [`crate::set_matmul_tf32`]`(true)` (inputs rounded to 10 mantissa bits, f32 accumulation).
-///   f16 and bf16 run on tensor cores with exact products and f32 accumulation: native 16-bit
+/// * Precision: f32 on CUDA as [`crate::set_f32_matmul`] says: by default f32-accurate
+///   error-compensated tensor-core products ([`crate::F32Matmul::Compensated`]: three TF32 passes
+///   with f32 accumulation, for operands whose rows start on 4-element boundaries; f32 FMAs
+///   otherwise), or plain f32 FMAs ([`crate::F32Matmul::Fma`]), or TF32 (inputs rounded to 10
+///   mantissa bits). f16 and bf16 run on tensor cores with exact products and f32 accumulation: native 16-bit
 ///   `mma.m16n8k16` (operands copied with `cp.async`, fragments by `ldmatrix`) when both operands
 ///   have a contiguous dim whose rows start on 8-element boundaries (any contiguous or
 ///   transposed tensor with sizes that are multiples of 8), otherwise the TF32 kernels (their

@@ -5,16 +5,62 @@
 //! computes one `TILE x TILE` output tile per block.
 
 use candle_core::{bail, Layout, Result};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
-static TF32: AtomicBool = AtomicBool::new(false);
+/// How the CUDA kernels of [`crate::masked_bmm`], [`crate::argmin_matmul`] and
+/// [`crate::kmeans_assign`] multiply f32 operands. f16 / bf16 always use tensor cores with exact
+/// products and f32 accumulation; the CPU always computes in full f32 (f64 for f64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum F32Matmul {
+    /// f32-accurate tensor-core products (the default): each operand is split into a TF32 part
+    /// and the TF32-rounded remainder, and three TF32 products (big.big + big.small + small.big)
+    /// are accumulated in f32. The dropped small.small term leaves at most about 2^-21 relative
+    /// error per product, the order of the f32 rounding of the accumulation itself
+    /// (`tests/matmul_f32_modes.rs` bounds its worst error by 4x the f32 FMA kernel's on the
+    /// same inputs; BENCHMARKS.md has the measured ratio). Used when both operands have a
+    /// contiguous dim whose rows start on 16-byte boundaries; other layouts run [`Self::Fma`].
+    #[default]
+    Compensated,
+    /// Plain f32 FMAs on the CUDA cores (true f32 arithmetic, bit-for-bit one rounding per FMA;
+    /// about 2x slower than [`Self::Compensated`] on an H200).
+    Fma,
+    /// TF32 tensor cores: inputs rounded to a 10-bit mantissa (relative error about 5e-4 per
+    /// product), f32 accumulation; like PyTorch's `allow_tf32`.
+    Tf32,
+}
 
-/// Lets the CUDA kernels of [`crate::masked_bmm`] and [`crate::argmin_matmul`] (and
-/// [`crate::kmeans_assign`]) run f32 products on tensor cores in TF32 (off by default): inputs are
-/// rounded to a 10-bit mantissa (relative error about 5e-4 per product), accumulation stays f32.
-/// Like `torch.backends.cuda.matmul.allow_tf32`, it is process-wide. f16 / bf16 inputs always use
-/// tensor cores (their values are exact in TF32, so nothing is rounded); the CPU always computes
-/// in full f32 (f64 for f64).
+static F32_MATMUL: AtomicU8 = AtomicU8::new(0);
+
+/// Sets how f32 products run on CUDA (process-wide, like
+/// `torch.set_float32_matmul_precision`); see [`F32Matmul`].
+///
+/// ```
+/// use candle_fastops::{f32_matmul, set_f32_matmul, F32Matmul};
+/// assert_eq!(f32_matmul(), F32Matmul::Compensated);
+/// set_f32_matmul(F32Matmul::Fma);
+/// assert_eq!(f32_matmul(), F32Matmul::Fma);
+/// set_f32_matmul(F32Matmul::default());
+/// ```
+pub fn set_f32_matmul(mode: F32Matmul) {
+    let code = match mode {
+        F32Matmul::Compensated => 0,
+        F32Matmul::Fma => 1,
+        F32Matmul::Tf32 => 2,
+    };
+    F32_MATMUL.store(code, Ordering::Relaxed);
+}
+
+/// The mode set by [`set_f32_matmul`].
+pub fn f32_matmul() -> F32Matmul {
+    match F32_MATMUL.load(Ordering::Relaxed) {
+        1 => F32Matmul::Fma,
+        2 => F32Matmul::Tf32,
+        _ => F32Matmul::Compensated,
+    }
+}
+
+/// Shorthand for [`set_f32_matmul`]: `true` selects [`F32Matmul::Tf32`], `false` the default
+/// [`F32Matmul::Compensated`].
 ///
 /// ```
 /// candle_fastops::set_matmul_tf32(true);
@@ -22,12 +68,16 @@ static TF32: AtomicBool = AtomicBool::new(false);
 /// candle_fastops::set_matmul_tf32(false);
 /// ```
 pub fn set_matmul_tf32(on: bool) {
-    TF32.store(on, Ordering::Relaxed);
+    set_f32_matmul(if on {
+        F32Matmul::Tf32
+    } else {
+        F32Matmul::Compensated
+    });
 }
 
-/// Whether [`set_matmul_tf32`] is on.
+/// Whether f32 products run in TF32 ([`F32Matmul::Tf32`]).
 pub fn matmul_tf32() -> bool {
-    TF32.load(Ordering::Relaxed)
+    f32_matmul() == F32Matmul::Tf32
 }
 
 /// Output tile edge of the CUDA kernels, and the tile a [`crate::MaskPlan`] summarises.
@@ -173,12 +223,8 @@ pub(crate) mod cuda {
     use candle_core::cuda_backend::kernel_name;
     use candle_core::{DType, WithDType};
 
-    /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`: the tensor-core form for
-    /// f16 / bf16, and for f32 when [`super::matmul_tf32`] is on; the FMA form otherwise.
-    /// f16 / bf16 operands that suit 16-byte copies take the 16-bit core (`_h16`), unless the
-    /// `FASTOPS_MATMUL_H16=0` tuning variable is set.
-    /// Dynamic shared memory of the 16-bit core's kernels (`sizeof(Staging16)` in the kernels).
-    pub(crate) const H16_SHARED_BYTES: usize = 81920;
+    /// Dynamic shared memory of the async core's kernels (`sizeof(AsyncStaging)` in the kernels).
+    pub(crate) const ASYNC_SHARED_BYTES: usize = 81920;
 
     /// The kernel for `T` and `problem` (see [`core_kernel_name`]), loaded, and the dynamic
     /// shared memory its launches need.
@@ -188,28 +234,35 @@ pub(crate) mod cuda {
         problem: &ProblemArgs,
     ) -> candle_core::Result<(crate::cuda::Kernel, u32)> {
         use crate::cuda::{Kernel, Module};
-        let name = core_kernel_name::<T>(base, problem);
+        let (name, is_async) = core_kernel_name::<T>(base, problem);
         let kernel = Kernel::load(dev, Module::Matmul, &name)?;
-        let shared = if name.contains("_h16") {
-            kernel.allow_dynamic_shared(H16_SHARED_BYTES)?;
-            H16_SHARED_BYTES as u32
+        let shared = if is_async {
+            kernel.allow_dynamic_shared(ASYNC_SHARED_BYTES)?;
+            ASYNC_SHARED_BYTES as u32
         } else {
             0
         };
         Ok((kernel, shared))
     }
 
-    fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> String {
-        if T::DTYPE == DType::F32 && !super::matmul_tf32() {
-            kernel_name::<T>(base)
-        } else if T::DTYPE != DType::F32
-            && problem.copyable_16()
-            && crate::cuda::tuning("FASTOPS_MATMUL_H16").unwrap_or(1) != 0
-        {
-            kernel_name::<T>(&format!("{base}_h16"))
-        } else {
-            kernel_name::<T>(&format!("{base}_tc"))
-        }
+    /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`, and whether it is one of the
+    /// async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
+    /// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by [`super::f32_matmul`]:
+    /// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
+    /// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
+    fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> (String, bool) {
+        use super::F32Matmul;
+        let copyable = problem.copyable(T::DTYPE.size_in_bytes())
+            && crate::cuda::tuning("FASTOPS_MATMUL_ASYNC").unwrap_or(1) != 0;
+        let variant = match (T::DTYPE, super::f32_matmul(), copyable) {
+            (DType::F32, F32Matmul::Fma, _) | (DType::F32, F32Matmul::Compensated, false) => "",
+            (DType::F32, F32Matmul::Compensated, true) => "_tf32x3",
+            (DType::F32, F32Matmul::Tf32, true) => "_tf32",
+            (_, _, false) => "_tc",
+            (_, _, true) => "_h16",
+        };
+        let is_async = copyable && !variant.is_empty() && variant != "_tc";
+        (kernel_name::<T>(&format!("{base}{variant}")), is_async)
     }
 
     /// How a block's threads map onto an operand tile for coalesced loads.
@@ -282,10 +335,11 @@ pub(crate) mod cuda {
     unsafe impl DeviceRepr for ProblemArgs {}
 
     impl ProblemArgs {
-        /// Whether both operands suit the 16-bit core's 16-byte copies (a contiguous dim whose
-        /// runs are aligned to 8 elements).
-        fn copyable_16(&self) -> bool {
-            self.a.vectorised == 2 && self.b.vectorised == 2
+        /// Whether both operands suit the async core's 16-byte copies of `elem_bytes`-byte
+        /// elements: a contiguous dim whose runs of 16 bytes are aligned.
+        fn copyable(&self, elem_bytes: usize) -> bool {
+            let needed = if elem_bytes == 4 { 1 } else { 2 };
+            self.a.vectorised >= needed && self.b.vectorised >= needed
         }
 
         /// `a` `[batch, m, k]` times `b` `[batch, k, n]`; a broadcast `b` has batch stride 0.

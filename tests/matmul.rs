@@ -139,30 +139,25 @@ fn masked_bmm_every_dtype_and_layout() -> Result<()> {
     Ok(())
 }
 
-/// f16 / bf16 operands whose rows are 8-element aligned take the 16-bit tensor-core core on CUDA
-/// (cp.async + ldmatrix + m16n8k16): contiguous and transposed operands (both copy layouts, both
-/// ldmatrix forms), tiles cut by m, n and k (k = 72: a partial last stage), narrowed views whose
-/// last 16-byte chunk is partly outside the view, and argmin over `centroids.t()`.
+/// Operands whose rows are 16-byte aligned take the async core on CUDA (cp.async; f16 / bf16 as
+/// ldmatrix + m16n8k16, f32 as three TF32 passes, the default f32 mode): contiguous and
+/// transposed operands (both copy layouts, ldmatrix and scalar fragment loads), tiles cut by m, n
+/// and k (k = 72: a partial last stage), narrowed views whose last 16-byte chunk is partly
+/// outside the view, and argmin over `centroids.t()`.
 #[test]
-fn sixteen_bit_core_every_layout() -> Result<()> {
+fn async_core_every_layout() -> Result<()> {
     for_each_device(|dev| {
-        for dtype in [DType::F16, DType::BF16] {
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
             let (batch, m, k, n) = (2, 136, 72, 136);
             let a = rand_tensor(&[batch, m, k], 1.0, dtype, dev, 60)?;
             let b = rand_tensor(&[batch, k, n], 1.0, dtype, dev, 61)?;
             let mask = make_mask(MaskKind::Random, &[m, n], dev, 62)?;
-            check_masked(&a, &b, &mask, -1.5, &format!("{dtype:?} 16-bit contiguous"))?;
+            check_masked(&a, &b, &mask, -1.5, &format!("{dtype:?} async contiguous"))?;
             let at = rand_tensor(&[batch, k, m], 1.0, dtype, dev, 63)?.transpose(1, 2)?;
             let bt = rand_tensor(&[batch, n, k], 1.0, dtype, dev, 64)?.transpose(1, 2)?;
-            check_masked(
-                &at,
-                &bt,
-                &mask,
-                0.0,
-                &format!("{dtype:?} 16-bit transposed"),
-            )?;
+            check_masked(&at, &bt, &mask, 0.0, &format!("{dtype:?} async transposed"))?;
             // k = 50 and n = 130 inside rows of 80 and 144: the last chunk of a row along the
-            // contiguous dim holds 2 valid elements.
+            // contiguous dim holds 2 valid elements (f32: 2 of 4).
             let (k2, n2, m2) = (50, 130, 129);
             let ao = rand_tensor(&[batch, m2, 80], 1.0, dtype, dev, 65)?.narrow(2, 8, k2)?;
             let bo = rand_tensor(&[batch, k2, 144], 1.0, dtype, dev, 66)?.narrow(2, 8, n2)?;
@@ -172,7 +167,7 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
                 &bo,
                 &mask2,
                 0.0,
-                &format!("{dtype:?} 16-bit partial chunks"),
+                &format!("{dtype:?} async partial chunks"),
             )?;
 
             let x = rand_tensor(&[300, 72], 1.0, dtype, dev, 68)?;
@@ -190,7 +185,7 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
                 &got.to_vec1::<u32>()?,
                 &scores,
                 1e-5 + 2e-6 * 72.0,
-                &format!("{dtype:?} 16-bit argmin"),
+                &format!("{dtype:?} async argmin"),
             );
         }
         Ok(())
@@ -198,15 +193,15 @@ fn sixteen_bit_core_every_layout() -> Result<()> {
     Ok(())
 }
 
-/// The 16-bit argmin's pairwise epilogue: planted ties between small-integer scores (exact in
-/// bf16) go to the lowest column, and a NaN column never wins over numbers (it sits next to a
-/// real column in its pair, on both sides).
+/// The async core's argmin (pairwise epilogue): planted ties between small-integer scores (exact
+/// in bf16, and split into TF32 parts without remainder) go to the lowest column, and a NaN
+/// column never wins over numbers (it sits next to a real column in its pair, on both sides).
 #[test]
-fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
+fn async_argmin_ties_and_nan_columns() -> Result<()> {
     for_each_device(|dev| {
         let (m, k, n) = (200, 8, 300);
         let (a, cols) = planted_ties(m, k, n, 5, 210);
-        for dtype in [DType::BF16, DType::F16] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
             let b = Tensor::from_vec(cols.concat(), (n, k), dev)?
                 .to_dtype(dtype)?
                 .t()?;
@@ -235,16 +230,16 @@ fn sixteen_bit_argmin_ties_and_nan_columns() -> Result<()> {
     Ok(())
 }
 
-/// Enough row tiles that the argmin kernel gives each block several column tiles, which the
-/// 16-bit core streams as one pipeline (the next tile's first stage loads while this tile's scores
-/// are reduced). GPU only: the check is a plain f64 scan of 8000 x 2000 scores.
+/// Enough row tiles that the argmin kernel gives each block several column tiles, one after the
+/// other through the async core's pipeline. GPU only: the check is a plain f64 scan of
+/// 8000 x 2000 scores.
 #[test]
-fn sixteen_bit_argmin_streams_column_tiles() -> Result<()> {
+fn async_argmin_streams_column_tiles() -> Result<()> {
     let Some(dev) = gpu() else {
         return Ok(());
     };
     let (batch, m, k, n) = (40, 200, 40, 2000);
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         let a = rand_tensor(&[batch, m, k], 1.0, dtype, &dev, 80)?;
         let b = rand_tensor(&[n, k], 1.0, dtype, &dev, 81)?.t()?;
         let bias = rand_tensor(&[n], 2.0, DType::F32, &dev, 82)?;

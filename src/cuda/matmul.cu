@@ -209,7 +209,7 @@ __device__ __forceinline__ void on_fragment(float (&acc)[8][8], int mi, int ni, 
 
 // Stage depth along k: the tensor-core kernels do 8x less work per k than the FMA kernels, so
 // they stage 16 per barrier (two mma k-steps) to keep global loads covered.
-template <bool TC> __host__ __device__ constexpr int stage_k() { return TC ? 2 * BK : BK; }
+template <bool TC> __host__ __device__ constexpr int staged_k() { return TC ? 2 * BK : BK; }
 
 // One stage of the product from the k-major shared tiles into the accumulators.
 template <bool TC, int S>
@@ -218,7 +218,7 @@ __device__ __forceinline__ void slice_product(const float (*As)[S], const float 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
 #pragma unroll
-        for (int k0 = 0; k0 < stage_k<TC>(); k0 += BK) {
+        for (int k0 = 0; k0 < staged_k<TC>(); k0 += BK) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
@@ -262,8 +262,8 @@ __device__ __forceinline__ void slice_product(const float (*As)[S], const float 
 // Shared memory of one block: double-buffered k-major slices of A and B.
 template <bool TC> struct Staging {
     static constexpr int S = smem_stride<TC>();
-    float a[2][stage_k<TC>()][S];
-    float b[2][stage_k<TC>()][S];
+    float a[2][staged_k<TC>()][S];
+    float b[2][staged_k<TC>()][S];
 };
 
 // The accumulators (AccLayout<TC>) of this thread for the tile at (row0, col0) of batch `batch`.
@@ -277,10 +277,10 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-    constexpr int RUNS = stage_k<TC>() / BK;
+    constexpr int RUNS = staged_k<TC>() / BK;
     TileLoader<T, RUNS> la(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
     TileLoader<T, RUNS> lb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
-    const int64_t steps = (p.k + stage_k<TC>() - 1) / stage_k<TC>();
+    const int64_t steps = (p.k + staged_k<TC>() - 1) / staged_k<TC>();
     if (steps == 0) return;
     la.load();
     lb.load();
@@ -304,31 +304,43 @@ __device__ __forceinline__ void tile_product(const Problem& p, const T* a, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// The 16-bit core (`_h16` kernels, f16 / bf16 operands whose rows are 16-byte aligned and whose
-// contiguous dim is k or outer): the same 128 x 128 tiles, warps and accumulator layout as the
-// TF32 core, but operands stay 16-bit all the way: cp.async copies 16-byte chunks from global to
-// shared memory (STAGES16 stages of 32 k, three in flight while one is used; dynamic shared
-// memory, 80 KiB per block), no staging registers, no conversion, ldmatrix
-// loads the fragments (one instruction per 16 x 16 of A or 16 x 16 of B, transposed on the way
-// when the operand is outer-contiguous), and mma.m16n8k16 does twice the work per instruction of
-// m16n8k8 TF32. Products of 16-bit values are exact in the f32 accumulators.
+// The async core (`_h16` and `_tf32` / `_tf32x3` kernels): operands whose contiguous dim is k or
+// outer and whose rows start on 16-byte boundaries. The same 128 x 128 tiles, warps and
+// accumulator layout as the TF32 core, but no staging registers: cp.async copies 16-byte chunks
+// from global to shared memory (STAGES stages of 64 bytes of k, three in flight while one is
+// used; dynamic shared memory, 80 KiB per block), and the fragments are read straight from the
+// stage buffers.
+// * f16 / bf16 (`_h16`): ldmatrix loads the fragments (transposed on the way when the operand is
+//   outer-contiguous) and mma.m16n8k16 multiplies them; products of 16-bit values are exact in
+//   the f32 accumulators.
+// * f32 (`_tf32`, `_tf32x3`): ldmatrix (k-contiguous; a 32-bit element is two b16 halves, which
+//   gives the TF32 fragment layout) or conflict-free scalar loads (outer-contiguous), then
+//   mma.m16n8k8 TF32. One pass rounds each operand to TF32 (the opt-in TF32 mode). Three passes
+//   are the f32-accurate default: each operand x is split into big = tf32(x) and small = x - big,
+//   and big.big + big.small + small.big is accumulated (small terms first). The dropped
+//   small.small term and the small parts' own truncation leave a relative error per product of
+//   about 2^-21, the same order as f32 rounding of the accumulation itself.
 
-constexpr int KS = 32;            // k per stage
-constexpr int KPAD = KS + 8;      // [outer][k] rows: 80 bytes, so ldmatrix's 8 rows hit distinct banks
-constexpr int OPAD = TILE + 8;    // [k][outer] rows: 272 bytes, likewise
-constexpr int STAGE16 = TILE * KPAD;  // halves per operand and stage (>= KS * OPAD)
-static_assert(KS * OPAD <= STAGE16, "either layout fits a stage");
-constexpr int STAGES16 = 4;
+constexpr int STAGE_K_BYTES = 64;  // k per stage: 32 16-bit or 16 f32 elements
+constexpr int ROW_PAD_BYTES = 16;  // [outer][k] rows of 80 bytes: ldmatrix's 8 rows hit distinct banks
+constexpr int KROW_BYTES = STAGE_K_BYTES + ROW_PAD_BYTES;
+constexpr int OUTER_PAD = 8;       // [k][outer] rows of TILE + 8 elements (8 mod 32 words for f32)
+constexpr int STAGE_BYTES = TILE * KROW_BYTES;  // per operand and stage, either layout
+constexpr int STAGES = 4;
+template <typename T> __host__ __device__ constexpr int stage_k() { return STAGE_K_BYTES / sizeof(T); }
+template <typename T> __host__ __device__ constexpr int outer_row() { return TILE + OUTER_PAD; }
+static_assert(stage_k<uint16_t>() * outer_row<uint16_t>() * 2 <= STAGE_BYTES, "16-bit [k][outer] fits a stage");
+static_assert(stage_k<float>() * outer_row<float>() * 4 <= STAGE_BYTES, "f32 [k][outer] fits a stage");
 
-// Dynamic shared memory of the `_h16` kernels: 81920 bytes, `H16_SHARED_BYTES` in
+// Dynamic shared memory of the async kernels: 81920 bytes, `ASYNC_SHARED_BYTES` in
 // src/matmul_core.rs.
-struct Staging16 {
-    uint16_t a[STAGES16][STAGE16];
-    uint16_t b[STAGES16][STAGE16];
+struct AsyncStaging {
+    uint8_t a[STAGES][STAGE_BYTES];
+    uint8_t b[STAGES][STAGE_BYTES];
 };
-static_assert(sizeof(Staging16) == 81920, "mirrors H16_SHARED_BYTES");
+static_assert(sizeof(AsyncStaging) == 81920, "mirrors ASYNC_SHARED_BYTES");
 
-__device__ __forceinline__ void cp_async16(uint16_t* dst, const void* src, int src_bytes) {
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
     const uint32_t addr = shared_address(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes));
 }
@@ -337,10 +349,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Copies of one operand's TILE (outer) x KS (k) stage: two 16-byte chunks per thread, into
+// Copies of one operand's TILE (outer) x stage_k (k) stage: two 16-byte chunks per thread, into
 // smem[outer][k] (k contiguous in global) or smem[k][outer] (outer contiguous). Chunks past the
 // operand's edge are zero-filled (a partial chunk copies its valid bytes only).
 template <typename T> struct StageCopier {
+    static constexpr int CHUNK = 16 / sizeof(T);  // elements per 16-byte chunk
     const T* base;  // the tile's (outer 0, k 0) element
     int64_t outer_stride, k_stride, outer_len, k_len;
     bool k_major;   // k contiguous in global
@@ -349,7 +362,8 @@ template <typename T> struct StageCopier {
         : base(b), outer_stride(op.outer_stride), k_stride(op.k_stride), outer_len(outer_len_), k_len(k_len_),
           k_major(op.mode == K_CONTIGUOUS) {}
 
-    __device__ __forceinline__ void copy(uint16_t* smem, int64_t k0) const {
+    __device__ __forceinline__ void copy(uint8_t* smem, int64_t k0) const {
+        constexpr int ROW_CHUNKS = TILE / CHUNK;  // chunks per [k][outer] row
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int c = threadIdx.x + q * THREADS;
@@ -357,49 +371,56 @@ template <typename T> struct StageCopier {
             int64_t valid;
             if (k_major) {
                 outer = c >> 2;
-                kk = (c & 3) * 8;
-                valid = outer < outer_len ? min(max(k_len - k0 - kk, int64_t(0)), int64_t(8)) : 0;
+                kk = (c & 3) * CHUNK;
+                valid = outer < outer_len ? min(max(k_len - k0 - kk, int64_t(0)), int64_t(CHUNK)) : 0;
             } else {
-                kk = c >> 4;
-                outer = (c & 15) * 8;
-                valid = k0 + kk < k_len ? min(max(outer_len - outer, int64_t(0)), int64_t(8)) : 0;
+                kk = c / ROW_CHUNKS;
+                outer = (c % ROW_CHUNKS) * CHUNK;
+                valid = k0 + kk < k_len ? min(max(outer_len - outer, int64_t(0)), int64_t(CHUNK)) : 0;
             }
             const T* src = valid > 0 ? base + outer * outer_stride + (k0 + kk) * k_stride : base;
-            uint16_t* dst = k_major ? smem + outer * KPAD + kk : smem + kk * OPAD + outer;
-            cp_async16(dst, src, static_cast<int>(valid) * 2);
+            const int dst = k_major ? outer * KROW_BYTES + kk * int(sizeof(T))
+                                    : (kk * outer_row<T>() + outer) * int(sizeof(T));
+            cp_async16(smem + dst, src, static_cast<int>(valid) * int(sizeof(T)));
         }
     }
 };
 
 // This thread's ldmatrix row address (byte offset in a stage buffer at k 0) for the warp's first
 // 16-row block of A and first pair of 8-column blocks of B; the others follow at fixed strides.
+// The k-major offsets serve both element sizes: 16 bytes of k are 8 halves or 4 f32, the k
+// half-step of a 16-bit m16n8k16 fragment and of an f32 m16n8k8 one. (f32 operands that are
+// outer-major do not use ldmatrix.)
 struct FragmentOffsets {
     uint32_t a, b;
 
     __device__ __forceinline__ FragmentOffsets(bool a_k_major, bool b_k_major) {
+        constexpr int OPAD = outer_row<uint16_t>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
-        a = a_k_major ? 2 * ((m0 + (lane & 15)) * KPAD + (lane >> 4) * 8)
+        a = a_k_major ? (m0 + (lane & 15)) * KROW_BYTES + (lane >> 4) * 16
                       : 2 * (((lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + ((lane >> 3) & 1) * 8);
-        b = b_k_major ? 2 * ((n0 + (lane & 7) + ((lane >> 4) << 3)) * KPAD + ((lane >> 3) & 1) * 8)
+        b = b_k_major ? (n0 + (lane & 7) + ((lane >> 4) << 3)) * KROW_BYTES + ((lane >> 3) & 1) * 16
                       : 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + (lane >> 4) * 8);
     }
 };
 
-// One stage's products: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
+// A stage's products, 16-bit: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
 // fragments (8 columns each) by ldmatrix, then 16 mma.
 template <typename T>
-__device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16_t* Bs, bool a_k_major, bool b_k_major,
+__device__ __forceinline__ void stage_product16(const uint8_t* As, const uint8_t* Bs, bool a_k_major, bool b_k_major,
                                                 const FragmentOffsets& off, float (&acc)[8][8]) {
+    constexpr int OPAD_BYTES = 2 * outer_row<T>();
     const uint32_t a_base = shared_address(As);
     const uint32_t b_base = shared_address(Bs);
 #pragma unroll
-    for (int step = 0; step < KS / 16; ++step) {
+    for (int step = 0; step < stage_k<T>() / 16; ++step) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
             // 16 rows further: 16 smem rows ([outer][k]) or 16 elements along a row ([k][outer]).
-            const uint32_t addr = a_base + off.a + mi * (a_k_major ? 32 * KPAD : 32) + step * (a_k_major ? 32 : 32 * OPAD);
+            const uint32_t addr =
+                a_base + off.a + mi * (a_k_major ? 16 * KROW_BYTES : 32) + step * (a_k_major ? 32 : 16 * OPAD_BYTES);
             if (a_k_major) {
                 ldmatrix_x4<false>(af[mi], addr);
             } else {
@@ -409,7 +430,8 @@ __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
             uint32_t r[4];
-            const uint32_t addr = b_base + off.b + np * (b_k_major ? 32 * KPAD : 32) + step * (b_k_major ? 32 : 32 * OPAD);
+            const uint32_t addr =
+                b_base + off.b + np * (b_k_major ? 16 * KROW_BYTES : 32) + step * (b_k_major ? 32 : 16 * OPAD_BYTES);
             if (b_k_major) {
                 ldmatrix_x4<false>(r, addr);
             } else {
@@ -429,14 +451,92 @@ __device__ __forceinline__ void stage_product16(const uint16_t* As, const uint16
     }
 }
 
+// An f32 fragment register split for PASSES TF32 products: big = tf32(x); small = x - big (its
+// bits beyond TF32 are ignored by the mma, a truncation of at most 2^-11 of the small part).
+template <int PASSES, int N> struct Split {
+    uint32_t big[N], small[N];
+    __device__ __forceinline__ Split(const uint32_t (&x)[N]) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const float v = __uint_as_float(x[i]);
+            const float b = to_tf32(v);
+            big[i] = __float_as_uint(b);
+            if constexpr (PASSES == 3) small[i] = __float_as_uint(v - b);
+        }
+    }
+};
+
+// A stage's products, f32 as TF32: for each k8 step, the warp's 4 B fragments (split once) and,
+// one at a time, its 4 A fragments (split as they are used, which keeps the registers of the
+// split B fragments, one split A fragment and the accumulators under the cap).
+template <int PASSES>
+__device__ __forceinline__ void stage_product_f32(const uint8_t* As, const uint8_t* Bs, bool a_k_major,
+                                                  bool b_k_major, const FragmentOffsets& off, float (&acc)[8][8]) {
+    constexpr int OROW = outer_row<float>();
+    const uint32_t a_base = shared_address(As);
+    const uint32_t b_base = shared_address(Bs);
+    const float* Af = reinterpret_cast<const float*>(As);
+    const float* Bf = reinterpret_cast<const float*>(Bs);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+#pragma unroll
+    for (int step = 0; step < stage_k<float>() / 8; ++step) {
+        uint32_t braw[4][2];
+        if (b_k_major) {
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                uint32_t r[4];
+                ldmatrix_x4<false>(r, b_base + off.b + np * 16 * KROW_BYTES + step * 32);
+                braw[2 * np][0] = r[0];
+                braw[2 * np][1] = r[1];
+                braw[2 * np + 1][0] = r[2];
+                braw[2 * np + 1][1] = r[3];
+            }
+        } else {
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const float* at = Bf + (step * 8 + t) * OROW + n0 + ni * 8 + g;
+                braw[ni][0] = __float_as_uint(at[0]);
+                braw[ni][1] = __float_as_uint(at[4 * OROW]);
+            }
+        }
+        Split<PASSES, 2> bs[4] = {braw[0], braw[1], braw[2], braw[3]};
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            uint32_t araw[4];
+            if (a_k_major) {
+                ldmatrix_x4<false>(araw, a_base + off.a + mi * 16 * KROW_BYTES + step * 32);
+            } else {
+                const float* at = Af + (step * 8 + t) * OROW + m0 + mi * 16 + g;
+                araw[0] = __float_as_uint(at[0]);
+                araw[1] = __float_as_uint(at[8]);
+                araw[2] = __float_as_uint(at[4 * OROW]);
+                araw[3] = __float_as_uint(at[4 * OROW + 8]);
+            }
+            const Split<PASSES, 4> as(araw);
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                on_fragment(acc, mi, ni, [&](float (&c)[4]) {
+                    if constexpr (PASSES == 3) {
+                        mma_tf32(c, as.small, bs[ni].big);
+                        mma_tf32(c, as.big, bs[ni].small);
+                    }
+                    mma_tf32(c, as.big, bs[ni].big);
+                });
+            }
+        }
+    }
+}
+
 // The accumulators (AccLayout<true>) of this thread for the tile at (row0, col0) of `batch`.
-template <typename T>
-__device__ __forceinline__ void tile_product16(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
-                                               int64_t col0, float (&acc)[8][8], Staging16& sm) {
+template <typename T, int PASSES>
+__device__ __forceinline__ void tile_product_async(const Problem& p, const T* a, const T* b, int64_t batch,
+                                                   int64_t row0, int64_t col0, float (&acc)[8][8], AsyncStaging& sm) {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    constexpr int KS = stage_k<T>();
     const StageCopier<T> ca(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
     const StageCopier<T> cb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
     const int64_t steps = (p.k + KS - 1) / KS;
@@ -445,7 +545,7 @@ __device__ __forceinline__ void tile_product16(const Problem& p, const T* a, con
     // The previous tile's last stages may still be read by other warps.
     __syncthreads();
 #pragma unroll
-    for (int st = 0; st < STAGES16 - 1; ++st) {
+    for (int st = 0; st < STAGES - 1; ++st) {
         if (st < steps) {
             ca.copy(sm.a[st], st * KS);
             cb.copy(sm.b[st], st * KS);
@@ -453,38 +553,48 @@ __device__ __forceinline__ void tile_product16(const Problem& p, const T* a, con
         cp_async_commit();  // possibly empty: one group per stage keeps the count uniform
     }
     for (int64_t s = 0; s < steps; ++s) {
-        cp_async_wait<STAGES16 - 2>();  // stage s has landed (for this thread) ...
+        cp_async_wait<STAGES - 2>();  // stage s has landed (for this thread) ...
         __syncthreads();  // ... and for every thread, which are all done with stage s - 1
-        const int64_t ahead = s + STAGES16 - 1;
+        const int64_t ahead = s + STAGES - 1;
         if (ahead < steps) {
-            const int buf = static_cast<int>(ahead % STAGES16);
+            const int buf = static_cast<int>(ahead % STAGES);
             ca.copy(sm.a[buf], ahead * KS);
             cb.copy(sm.b[buf], ahead * KS);
         }
         cp_async_commit();
-        const int cur = static_cast<int>(s % STAGES16);
-        stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
+        const int cur = static_cast<int>(s % STAGES);
+        if constexpr (sizeof(T) == 2) {
+            stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
+        } else {
+            stage_product_f32<PASSES>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
+        }
     }
 }
 
-// The staging buffers of a core: FMA / TF32 (static Staging<TC>) or 16-bit (dynamic Staging16).
-template <bool TC, bool H16> __device__ __forceinline__ auto& staging() {
-    if constexpr (H16) {
+// The cores, as the kernels' template parameter: f32 FMA, register-staged TF32, and the async
+// core (16-bit native, or f32 in one or three TF32 passes).
+enum Core : int { FMA = 0, TC = 1, ASYNC = 2, ASYNC_X3 = 3 };
+template <int CORE> __host__ __device__ constexpr bool tensor_cores() { return CORE != FMA; }
+template <int CORE> __host__ __device__ constexpr bool is_async() { return CORE >= ASYNC; }
+
+// The staging buffers of a core: FMA / TF32 (static Staging<TC>) or async (dynamic AsyncStaging).
+template <int CORE> __device__ __forceinline__ auto& staging() {
+    if constexpr (is_async<CORE>()) {
         extern __shared__ __align__(16) uint8_t dynamic_smem[];
-        return *reinterpret_cast<Staging16*>(dynamic_smem);
+        return *reinterpret_cast<AsyncStaging*>(dynamic_smem);
     } else {
-        __shared__ __align__(16) Staging<TC> sm;
+        __shared__ __align__(16) Staging<tensor_cores<CORE>()> sm;
         return sm;
     }
 }
 
-template <typename T, bool TC, bool H16, class S>
+template <typename T, int CORE, class S>
 __device__ __forceinline__ void product(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
                                         int64_t col0, float (&acc)[8][8], S& sm) {
-    if constexpr (H16) {
-        tile_product16<T>(p, a, b, batch, row0, col0, acc, sm);
+    if constexpr (is_async<CORE>()) {
+        tile_product_async<T, CORE == ASYNC_X3 ? 3 : 1>(p, a, b, batch, row0, col0, acc, sm);
     } else {
-        tile_product<T, TC>(p, a, b, batch, row0, col0, acc, sm);
+        tile_product<T, tensor_cores<CORE>()>(p, a, b, batch, row0, col0, acc, sm);
     }
 }
 
@@ -530,12 +640,12 @@ __device__ __forceinline__ void store_run(T* out, int64_t col, int64_t n, const 
     }
 }
 
-template <typename T, bool TC, bool H16>
+template <typename T, int CORE>
 __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
                                            const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
                                            T* __restrict__ out, Problem p, MaskArgs mk) {
-    auto& sm = staging<TC, H16>();
-    using Layout = AccLayout<TC>;
+    auto& sm = staging<CORE>();
+    using Layout = AccLayout<tensor_cores<CORE>()>;
     constexpr int RUN = Layout::RUN;
     const Layout at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
@@ -548,7 +658,7 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 
     float acc[8][8];
     if (state != EMPTY) {
-        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
+        product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
     }
     const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
 #pragma unroll
@@ -597,11 +707,12 @@ struct ArgminArgs {
     float scale;
 };
 
-template <typename T, bool TC, bool H16>
+template <typename T, int CORE>
 __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,
                                               const float* __restrict__ bias, unsigned long long* __restrict__ keys,
                                               Problem p, ArgminArgs am) {
-    auto& sm = staging<TC, H16>();
+    auto& sm = staging<CORE>();
+    constexpr bool TC = tensor_cores<CORE>();
     const AccLayout<TC> at;
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
@@ -636,9 +747,9 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
                 const bool take_right = !(left <= right) && right == right;
                 const uint32_t bits = ordered_bits(take_right ? right : left);
                 // Every key is below the all-ones start (the largest is a NaN's, 0xffc00000), so
-                // the first score always takes; the FMA / TF32 kernels keep the explicit
+                // the first score always takes; the FMA / register-staged TF32 kernels keep the explicit
                 // first-score test, without which their register allocation spills.
-                if (bits < best_bits[i] || (!H16 && best_col[i] == ~0u)) {
+                if (bits < best_bits[i] || (!is_async<CORE>() && best_col[i] == ~0u)) {
                     best_bits[i] = bits;
                     best_col[i] = static_cast<uint32_t>(take_right ? col + 1 : col);
                 }
@@ -647,7 +758,7 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     };
     for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
         const int64_t col0 = ct * TILE;
-        product<T, TC, H16>(p, a, b, tile.batch, row0, col0, acc, sm);
+        product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
         consume(col0);
     }
     unsigned long long best[8];
@@ -684,23 +795,26 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
     }
 }
 
-// `name_f32`: f32 FMA; `name_tc_<dtype>`: TF32 tensor cores (TF32-rounded f32, exact f16 / bf16);
-// `name_h16_<dtype>`: the 16-bit core (f16 / bf16 operands that cp.async can copy).
-#define MATMUL_KERNELS(T, SUFFIX, VARIANT, TC, H16)                                                        \
+// `name_f32`: f32 FMA; `name_tc_<dtype>`: register-staged TF32 tensor cores (TF32-rounded f32,
+// exact f16 / bf16); the async core: `name_h16_<dtype>` (f16 / bf16), `name_tf32_f32` (f32 rounded
+// to TF32) and `name_tf32x3_f32` (f32 in three TF32 passes).
+#define MATMUL_KERNELS(T, SUFFIX, VARIANT, CORE)                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
         masked_bmm##VARIANT##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan,     \
                                     T* out, Problem p, MaskArgs mk) {                                      \
-        masked_bmm<T, TC, H16>(a, b, mask, plan, out, p, mk);                                              \
+        masked_bmm<T, CORE>(a, b, mask, plan, out, p, mk);                                                 \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
         argmin_matmul##VARIANT##SUFFIX(const T* a, const T* b, const float* bias,                          \
                                        unsigned long long* keys, Problem p, ArgminArgs am) {               \
-        argmin_matmul<T, TC, H16>(a, b, bias, keys, p, am);                                                \
+        argmin_matmul<T, CORE>(a, b, bias, keys, p, am);                                                   \
     }
 
-MATMUL_KERNELS(float, f32, _, false, false)
-MATMUL_KERNELS(float, f32, _tc_, true, false)
-MATMUL_KERNELS(__half, f16, _tc_, true, false)
-MATMUL_KERNELS(__nv_bfloat16, bf16, _tc_, true, false)
-MATMUL_KERNELS(__half, f16, _h16_, true, true)
-MATMUL_KERNELS(__nv_bfloat16, bf16, _h16_, true, true)
+MATMUL_KERNELS(float, f32, _, FMA)
+MATMUL_KERNELS(float, f32, _tc_, TC)
+MATMUL_KERNELS(__half, f16, _tc_, TC)
+MATMUL_KERNELS(__nv_bfloat16, bf16, _tc_, TC)
+MATMUL_KERNELS(__half, f16, _h16_, ASYNC)
+MATMUL_KERNELS(__nv_bfloat16, bf16, _h16_, ASYNC)
+MATMUL_KERNELS(float, f32, _tf32_, ASYNC)
+MATMUL_KERNELS(float, f32, _tf32x3_, ASYNC_X3)
