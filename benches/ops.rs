@@ -713,6 +713,27 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
                 "matmul alone",
                 || q.matmul(&kt).map(drop),
             )?;
+            // Forward and backward (two more products, each skipping the empty tiles' spans).
+            let (qv, kv) = (
+                candle_core::Var::from_tensor(&q)?,
+                candle_core::Var::from_tensor(&kt)?,
+            );
+            let (qv, kv) = (qv.as_tensor(), kv.as_tensor());
+            b.compare(
+                OP,
+                &format!("{case} fwd+bwd"),
+                dtype,
+                Work::Flops(3.0 * flops),
+                || {
+                    let out = candle_fastops::masked_bmm_with_plan(qv, kv, &mask, &plan, 0.0)?;
+                    out.sum_all()?.backward().map(drop)
+                },
+                "matmul + where_cond fwd+bwd",
+                || {
+                    let out = masked_bmm_composite(qv, kv, &mask, &fill)?;
+                    out.sum_all()?.backward().map(drop)
+                },
+            )?;
             for (mode, suffix) in OTHER_F32_MODES {
                 if !dev.is_cuda() || dtype != DType::F32 {
                     break;

@@ -66,6 +66,7 @@ mod cuda;
 mod determinism;
 mod dispatch;
 mod masked_bmm;
+mod masked_bmm_grad;
 mod matmul_core;
 pub mod optim;
 mod poison;

@@ -7,6 +7,7 @@
 //! product itself is the core in `src/matmul_core.rs` / `src/cuda/matmul.cu`.
 
 use crate::dispatch::check_float_operands;
+use crate::masked_bmm_grad::{span_matmul, tile_spans};
 use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -41,6 +42,10 @@ const _: () = assert!(EMPTY == 0 && PARTIAL == 1 && FULL == 2);
 pub struct MaskPlan {
     /// u8 `[plan_batch, row_tiles, col_tiles]` on the mask's device.
     states: Tensor,
+    /// The backward's reduction spans (`masked_bmm_grad::tile_spans`): u32 `[plan_batch,
+    /// row_tiles, 2]` and `[plan_batch, col_tiles, 2]`.
+    row_spans: Tensor,
+    col_spans: Tensor,
     mask_dims: Vec<usize>,
 }
 
@@ -72,8 +77,11 @@ impl MaskPlan {
             // any + all: 0 = empty, 1 = partial, 2 = full.
             (any + all)?.contiguous()?
         };
+        let (row_spans, col_spans) = tile_spans(&states)?;
         Ok(Self {
             states,
+            row_spans,
+            col_spans,
             mask_dims: mask.dims().to_vec(),
         })
     }
@@ -110,8 +118,9 @@ impl MaskPlan {
 ///   transposed tensor with sizes that are multiples of 8), otherwise the TF32 kernels (their
 ///   values are exact in TF32). f64 in f64, CPU only. The CPU computes f16/bf16 in f32 and
 ///   ignores TF32.
-/// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)`, composed from candle
-///   ops (they do not skip empty tiles).
+/// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)` on the same core, each
+///   output tile reducing only over the span of non-empty mask tiles along its row (grad_a) or
+///   column (grad_b) of tiles: a causal mask halves the backward's work too.
 ///
 /// Builds a [`MaskPlan`] on every call; reuse one with [`masked_bmm_with_plan`].
 ///
@@ -162,7 +171,7 @@ pub fn masked_bmm_with_plan(
     };
     let op = MaskedBmm {
         fill,
-        states: plan.states.clone(),
+        plan: plan.clone(),
     };
     if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
         // The CPU product runs in f32 for half types: widen once, narrow the result once.
@@ -258,7 +267,7 @@ impl Dims {
 
 struct MaskedBmm {
     fill: f64,
-    states: Tensor,
+    plan: MaskPlan,
 }
 
 impl MaskedBmm {
@@ -269,7 +278,7 @@ impl MaskedBmm {
         mask: &[u8],
         dims: &Dims,
     ) -> Result<Vec<A>> {
-        let lock = self.states.storage_and_layout();
+        let lock = self.plan.states.storage_and_layout();
         let states: &[u8] = crate::cpu::locked_slice(&lock, OP)?;
         let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
         dims.a.check_within(a.len(), OP)?;
@@ -400,7 +409,7 @@ impl CustomOp3 for MaskedBmm {
         use candle_core::cuda_backend::CudaStorageSlice as S;
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let dev = &a.device;
-        let lock = self.states.storage_and_layout();
+        let lock = self.plan.states.storage_and_layout();
         let candle_core::Storage::Cuda(states) = &*lock.0 else {
             bail!("{OP}: the plan is not on the GPU");
         };
@@ -425,8 +434,10 @@ impl CustomOp3 for MaskedBmm {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let keep = mask.ne(&mask.zeros_like()?)?.broadcast_as(grad.shape())?;
         let grad = keep.where_cond(grad, &grad.zeros_like()?)?;
-        let grad_a = grad.matmul(&b.transpose(1, 2)?.contiguous()?)?;
-        let grad_b = a.transpose(1, 2)?.contiguous()?.matmul(&grad)?;
+        // Only the spans of non-empty mask tiles contribute: along the mask's columns for
+        // grad_a (per row tile), along its rows for grad_b (per column tile).
+        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, &self.plan.row_spans, false)?;
+        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, &self.plan.col_spans, true)?;
         Ok((Some(grad_a), Some(grad_b), None))
     }
 }

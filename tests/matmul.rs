@@ -312,6 +312,106 @@ fn masked_bmm_autograd_matches_composed() -> Result<()> {
     Ok(())
 }
 
+/// The backward's span products against f64: grad_a = (w masked) . b^T and grad_b = a^T . (w
+/// masked) for `loss = sum(w * out)`. Causal (spans that end on the diagonal), a mask whose
+/// spans hold empty tiles inside them, per-batch masks with one batch entry all masked (empty
+/// spans: zero gradients), transposed operands, k = 1, and every dtype.
+#[test]
+fn masked_bmm_backward_skips_empty_tiles() -> Result<()> {
+    for_each_device(|dev| {
+        // Tiles (0, 2) and (2, 0) of a 3 x 3 grid kept: row tile 0 spans column tiles 0..3 with
+        // tile 1 empty inside, and row tile 1 is empty.
+        let corners = {
+            let (m, n) = (300, 330);
+            let data: Vec<u8> = (0..m * n)
+                .map(|e| {
+                    let (ti, tj) = (e / n / 128, e % n / 128);
+                    u8::from((ti, tj) == (0, 2) || (ti, tj) == (2, 0) || (ti, tj) == (2, 2))
+                })
+                .collect();
+            Tensor::from_vec(data, (m, n), dev)?
+        };
+        let per_batch = {
+            let random = make_mask(MaskKind::Random, &[1, 300, 330], dev, 410)?;
+            let none = make_mask(MaskKind::AllMasked, &[1, 300, 330], dev, 411)?;
+            Tensor::cat(&[&random, &none], 0)?
+        };
+        let causal = make_mask(MaskKind::Causal, &[300, 330], dev, 412)?;
+        for dtype in float_dtypes(dev) {
+            for (c, (mask, k, transposed)) in [
+                (&causal, 72, false),
+                (&corners, 9, true),
+                (&per_batch, 40, false),
+                (&causal, 1, true),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let (batch, m, n) = (2, 300, 330);
+                let salt = 420 + 10 * c as u64;
+                // Transposed operands are views of [batch, k, m] and [batch, n, k] tensors.
+                let a_store = if transposed {
+                    rand_tensor(&[batch, k, m], 1.0, dtype, dev, salt)?
+                } else {
+                    rand_tensor(&[batch, m, k], 1.0, dtype, dev, salt)?
+                };
+                let b_store = if transposed {
+                    rand_tensor(&[batch, n, k], 1.0, dtype, dev, salt + 1)?
+                } else {
+                    rand_tensor(&[batch, k, n], 1.0, dtype, dev, salt + 1)?
+                };
+                let (a, b) = (Var::from_tensor(&a_store)?, Var::from_tensor(&b_store)?);
+                let view = |v: &Var| -> Result<Tensor> {
+                    if transposed {
+                        v.as_tensor().transpose(1, 2)
+                    } else {
+                        Ok(v.as_tensor().clone())
+                    }
+                };
+                let (av, bv) = (view(&a)?, view(&b)?);
+                let w = rand_tensor(&[batch, m, n], 1.0, dtype, dev, salt + 2)?;
+                let out = masked_bmm(&av, &bv, mask, -3.0)?;
+                let grads = (out.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
+                    .sum_all()?
+                    .backward()?;
+                let keep = to_f64(&mask.broadcast_as((batch, m, n))?)?;
+                let gm: Vec<f64> = to_f64(&w)?
+                    .iter()
+                    .zip(&keep)
+                    .map(|(w, kp)| if *kp != 0.0 { *w } else { 0.0 })
+                    .collect();
+                let at = to_f64(&av.transpose(1, 2)?)?;
+                let bt = to_f64(&bv.transpose(1, 2)?)?;
+                let want_a = product(&gm, &bt, batch, m, n, k);
+                let want_b = product(&at, &gm, batch, k, m, n);
+                let grad_of = |v: &Var| -> Result<Tensor> {
+                    let g = grads.get(v.as_tensor()).expect("gradient");
+                    if transposed {
+                        g.transpose(1, 2)
+                    } else {
+                        Ok(g.clone())
+                    }
+                };
+                let what = format!("{dtype:?} case {c}");
+                assert_close(
+                    &to_f64(&grad_of(&a)?)?,
+                    &want_a,
+                    product_tolerance(dtype, n),
+                    &format!("{what} grad a"),
+                );
+                assert_close(
+                    &to_f64(&grad_of(&b)?)?,
+                    &want_b,
+                    product_tolerance(dtype, m),
+                    &format!("{what} grad b"),
+                );
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 #[test]
 fn masked_bmm_bad_inputs_are_errors() -> Result<()> {
     for_each_device(|dev| {

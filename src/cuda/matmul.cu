@@ -518,10 +518,19 @@ __device__ __forceinline__ void stage_product_f32(const uint8_t* As, const uint8
             for (int ni = 0; ni < 4; ++ni) {
                 on_fragment(acc, mi, ni, [&](float (&c)[4]) {
                     if constexpr (PASSES == 3) {
-                        mma_tf32(c, as.small, bs[ni].big);
-                        mma_tf32(c, as.big, bs[ni].small);
+                        // The mma rounds its f32 sums toward zero; on a running total that bias
+                        // adds up over k (5x the FMA kernel's error at k = 512). So each k8 step's
+                        // three products start from zero, and the total takes them with
+                        // round-to-nearest adds.
+                        float part[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_tf32(part, as.small, bs[ni].big);
+                        mma_tf32(part, as.big, bs[ni].small);
+                        mma_tf32(part, as.big, bs[ni].big);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) c[e] += part[e];
+                    } else {
+                        mma_tf32(c, as.big, bs[ni].big);
                     }
-                    mma_tf32(c, as.big, bs[ni].big);
                 });
             }
         }
@@ -640,27 +649,16 @@ __device__ __forceinline__ void store_run(T* out, int64_t col, int64_t n, const 
     }
 }
 
-template <typename T, int CORE>
-__device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
-                                           const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
-                                           T* __restrict__ out, Problem p, MaskArgs mk) {
-    auto& sm = staging<CORE>();
+// Stores this thread's part of the tile at (row0, col0) of `out_b` (`[m, n]`, row-major), RUN
+// adjacent columns at a time: `value(i, j, row, col)` gives the output for accumulator acc[i][j]
+// at (row, col), which may lie past n (then it is not stored).
+template <typename T, int CORE, class Value>
+__device__ __forceinline__ void store_tile(T* out_b, const Problem& p, int64_t row0, int64_t col0, Value&& value) {
     using Layout = AccLayout<tensor_cores<CORE>()>;
     constexpr int RUN = Layout::RUN;
     const Layout at;
-    const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
-    const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
-    const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
-    const uint8_t state = plan[tile.batch * mk.plan_batch_stride + tile.row_tile * col_tiles + tile.col_group];
-    T* out_b = out + tile.batch * p.m * p.n;
     // Vector stores need every row start aligned: n a multiple of RUN.
     const bool vec_ok = (p.n % RUN) == 0;
-
-    float acc[8][8];
-    if (state != EMPTY) {
-        product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
-    }
-    const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int64_t row = row0 + at.row_of(i);
@@ -670,19 +668,68 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
             const int64_t col = col0 + at.col_of(r * RUN);
             float v[RUN];
 #pragma unroll
-            for (int j = 0; j < RUN; ++j) {
-                if (state == EMPTY) {
-                    v[j] = mk.fill;
-                } else if (state == FULL) {
-                    v[j] = acc[i][r * RUN + j];
-                } else {
-                    const bool keep = col + j < p.n && mask_b[row * p.n + col + j] != 0;
-                    v[j] = keep ? acc[i][r * RUN + j] : mk.fill;
-                }
-            }
+            for (int j = 0; j < RUN; ++j) v[j] = value(i, r * RUN + j, row, col + j);
             store_run<T, RUN>(out_b + row * p.n, col, p.n, v, vec_ok);
         }
     }
+}
+
+template <typename T, int CORE>
+__device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
+                                           const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
+                                           T* __restrict__ out, Problem p, MaskArgs mk) {
+    auto& sm = staging<CORE>();
+    const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
+    const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
+    const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
+    const uint8_t state = plan[tile.batch * mk.plan_batch_stride + tile.row_tile * col_tiles + tile.col_group];
+
+    float acc[8][8];
+    if (state != EMPTY) {
+        product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
+    }
+    const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
+    store_tile<T, CORE>(out + tile.batch * p.m * p.n, p, row0, col0, [&](int i, int j, int64_t row, int64_t col) {
+        if (state == EMPTY) return mk.fill;
+        if (state == FULL) return acc[i][j];
+        const bool keep = col < p.n && mask_b[row * p.n + col] != 0;
+        return keep ? acc[i][j] : mk.fill;
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// span_matmul: masked_bmm's backward products, `(g masked) . b^T` and `a^T . (g masked)`, with the
+// reduction limited to the mask tiles that are not empty. Each output row tile (grad_a: rows are
+// the mask's rows) or column tile (grad_b: columns are the mask's columns) reads its span of
+// reduction tiles [first, end) from the plan: the first and one past the last non-empty mask
+// tile along its row or column of tiles. The masked gradient is zero outside the mask, so tiles
+// outside the span add nothing; a causal mask halves the work.
+
+// Mirrors `SpanArgs` in src/masked_bmm_grad.rs.
+struct SpanArgs {
+    int64_t spans_batch_stride;  // u32 pairs between batches of the spans (0: one set for all)
+    int32_t by_cols;             // spans indexed by the output's column tile (else its row tile)
+};
+
+template <typename T, int CORE>
+__device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __restrict__ b,
+                                            const uint32_t* __restrict__ spans, T* __restrict__ out, Problem p,
+                                            SpanArgs sa) {
+    auto& sm = staging<CORE>();
+    const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
+    const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
+    const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
+    const uint32_t* span =
+        spans + tile.batch * sa.spans_batch_stride + 2 * (sa.by_cols ? tile.col_group : tile.row_tile);
+    const int64_t k0 = min(int64_t(span[0]) * TILE, p.k), k1 = min(int64_t(span[1]) * TILE, p.k);
+    // The span as a problem of its own: reduction [k0, k1) (k0 is a multiple of TILE, so the
+    // operands' alignment is unchanged); an empty span gives zero accumulators.
+    Problem q = p;
+    q.k = max(k1 - k0, int64_t(0));
+    float acc[8][8];
+    product<T, CORE>(q, a + k0 * p.a.k_stride, b + k0 * p.b.k_stride, tile.batch, row0, col0, acc, sm);
+    store_tile<T, CORE>(out + tile.batch * p.m * p.n, p, row0, col0,
+                        [&](int i, int j, int64_t, int64_t) { return acc[i][j]; });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -808,6 +855,11 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
         argmin_matmul##VARIANT##SUFFIX(const T* a, const T* b, const float* bias,                          \
                                        unsigned long long* keys, Problem p, ArgminArgs am) {               \
         argmin_matmul<T, CORE>(a, b, bias, keys, p, am);                                                   \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+        span_matmul##VARIANT##SUFFIX(const T* a, const T* b, const uint32_t* spans, T* out, Problem p,     \
+                                     SpanArgs sa) {                                                        \
+        span_matmul<T, CORE>(a, b, spans, out, p, sa);                                                     \
     }
 
 MATMUL_KERNELS(float, f32, _, FMA)

@@ -1,0 +1,315 @@
+//! The backward products of [`crate::masked_bmm`], with the empty tiles of the mask skipped:
+//! `grad_a = (g masked) . b^T` and `grad_b = a^T . (g masked)`.
+//!
+//! The masked gradient is zero outside the mask, so in `grad_a` a row tile of the mask only needs
+//! the reduction over its non-empty column tiles, and in `grad_b` a column tile only needs its
+//! non-empty row tiles. A [`crate::MaskPlan`] records, per row tile and per column tile, the span
+//! `[first, end)` from the first to one past the last non-empty tile; each output tile reduces
+//! over its span alone. On a causal mask that halves the work; on a mask with holes inside a span
+//! the zeros of the masked gradient keep the result exact.
+
+use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+const OP: &str = "masked_bmm backward";
+
+/// The spans of non-empty tiles of a plan's tile states (u8 `[plan_batch, row_tiles,
+/// col_tiles]`): per row tile over its column tiles, and per column tile over its row tiles,
+/// each u32 `[plan_batch, tiles, 2]` holding `[first, end)` (`first >= end` when all are empty).
+pub(crate) fn tile_spans(states: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (plan_batch, row_tiles, col_tiles) = states.dims3()?;
+    if plan_batch * row_tiles * col_tiles == 0 {
+        let zeros =
+            |tiles: usize| Tensor::zeros((plan_batch, tiles, 2), DType::U32, states.device());
+        return Ok((zeros(row_tiles)?, zeros(col_tiles)?));
+    }
+    let non_empty = states.ne(&states.zeros_like()?)?;
+    // Along `dim` of the states: the lowest index of a non-empty tile, and one past the highest.
+    let span = |dim: usize| -> Result<Tensor> {
+        let len = states.dim(dim)?;
+        let mut index_shape = vec![1, 1, 1];
+        index_shape[dim] = len;
+        let indices = |from: u32| {
+            Tensor::arange(from, from + len as u32, states.device())?
+                .reshape(index_shape.as_slice())?
+                .broadcast_as(states.shape())
+        };
+        let past = Tensor::full(len as u32, states.shape(), states.device())?;
+        let none = Tensor::zeros(states.shape(), DType::U32, states.device())?;
+        let first = non_empty
+            .where_cond(&indices(0)?, &past)?
+            .min_keepdim(dim)?;
+        let end = non_empty
+            .where_cond(&indices(1)?, &none)?
+            .max_keepdim(dim)?;
+        Tensor::cat(&[first, end], dim)
+    };
+    // Row spans reduce over the column tiles (dim 2); column spans over the row tiles (dim 1),
+    // moved last.
+    let row_spans = span(2)?.contiguous()?;
+    let col_spans = span(1)?.transpose(1, 2)?.contiguous()?;
+    Ok((row_spans, col_spans))
+}
+
+/// `a . b` for `a` `[batch, m, r]` and `b` `[batch, r, n]` where output tile `t` (row tiles, or
+/// column tiles when `by_cols`) reduces only over its span of `TILE`-wide blocks of `r`:
+/// `spans` u32 `[1 or batch, tiles, 2]` from [`tile_spans`].
+pub(crate) fn span_matmul(a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool) -> Result<Tensor> {
+    let (batch, m, _) = a.dims3()?;
+    let n = b.dim(2)?;
+    let (span_batch, tiles, _) = spans.dims3()?;
+    let expected_tiles = if by_cols { n } else { m }.div_ceil(TILE);
+    if tiles != expected_tiles || (span_batch != 1 && span_batch != batch) {
+        bail!(
+            "{OP}: internal error, spans {:?} for a [{batch}, {m}, {n}] output",
+            spans.dims()
+        );
+    }
+    let op = SpanMatmul {
+        spans: spans.contiguous()?,
+        by_cols,
+    };
+    let operand = |t: &Tensor| -> Result<Tensor> {
+        if MatView::from_layout(t.layout()).is_some() {
+            Ok(t.clone())
+        } else {
+            t.contiguous()
+        }
+    };
+    let (a, b) = (operand(a)?, operand(b)?);
+    if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
+        // The CPU product runs in f32 for half types.
+        let out = a
+            .to_dtype(DType::F32)?
+            .apply_op2_no_bwd(&b.to_dtype(DType::F32)?, &op)?;
+        return out.to_dtype(a.dtype());
+    }
+    a.apply_op2_no_bwd(&b, &op)
+}
+
+struct SpanMatmul {
+    spans: Tensor,
+    by_cols: bool,
+}
+
+impl SpanMatmul {
+    /// Pairs between batch entries of the spans (0: one set for every entry).
+    fn spans_batch_stride(&self, batch: usize) -> Result<usize> {
+        let (span_batch, tiles, _) = self.spans.dims3()?;
+        Ok(if span_batch == 1 || batch <= 1 {
+            0
+        } else {
+            tiles
+        })
+    }
+
+    fn views(a: &Layout, b: &Layout) -> Result<(MatView, MatView)> {
+        let (Some(a), Some(b)) = (MatView::from_layout(a), MatView::from_layout(b)) else {
+            bail!("{OP}: internal error, operands are not rank 3");
+        };
+        Ok((a, b))
+    }
+
+    fn cpu_product<A: CpuGemm + candle_core::WithDType>(
+        &self,
+        a: (&[A], &MatView),
+        b: (&[A], &MatView),
+    ) -> Result<Vec<A>> {
+        let ((a, av), (b, bv)) = (a, b);
+        av.check_within(a.len(), OP)?;
+        bv.check_within(b.len(), OP)?;
+        let lock = self.spans.storage_and_layout();
+        let spans: &[u32] = crate::cpu::locked_slice(&lock, OP)?;
+        let (batch, m, n, r) = (av.batch, av.rows, bv.cols, av.cols);
+        let spans_batch_stride = self.spans_batch_stride(batch)?;
+        let col_tiles = n.div_ceil(TILE);
+        let len = batch * m * n;
+        let mut out = crate::cpu::output_vec::<A>(len);
+        if len == 0 {
+            return Ok(out);
+        }
+        // The reduction of tile `t` of batch entry `bi`, clamped to `r`.
+        let span = |bi: usize, t: usize| {
+            let pair = &spans[2 * (bi * spans_batch_stride + t)..][..2];
+            let k0 = (pair[0] as usize * TILE).min(r);
+            (k0, (pair[1] as usize * TILE).clamp(k0, r))
+        };
+        // One task per (batch entry, row tile): TILE consecutive rows of the output.
+        crate::cpu::spare(&mut out, len)
+            .par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(bi, out_b)| {
+                out_b
+                    .par_chunks_mut(TILE * n)
+                    .enumerate()
+                    .for_each(|(ti, out_rows)| {
+                        let rows = ti * TILE..((ti + 1) * TILE).min(m);
+                        let dst = out_rows.as_mut_ptr().cast::<A>();
+                        let product = |cols: std::ops::Range<usize>, (k0, k1): (usize, usize)| {
+                            // The operands narrowed to the span along the reduction.
+                            let a_span = MatView {
+                                start: av.start + k0 * av.col_stride,
+                                cols: k1 - k0,
+                                ..*av
+                            };
+                            let b_span = MatView {
+                                start: bv.start + k0 * bv.row_stride,
+                                rows: k1 - k0,
+                                ..*bv
+                            };
+                            // SAFETY: the narrowed views lie inside the checked ones; the block
+                            // written is rows `rows` x columns `cols` of this task's own chunk.
+                            unsafe {
+                                cpu_block_product(
+                                    (a, &a_span),
+                                    (b, &b_span),
+                                    bi,
+                                    rows.clone(),
+                                    cols.clone(),
+                                    dst.add(cols.start),
+                                    n,
+                                )
+                            }
+                        };
+                        if self.by_cols {
+                            for tj in 0..col_tiles {
+                                product(tj * TILE..((tj + 1) * TILE).min(n), span(bi, tj));
+                            }
+                        } else {
+                            product(0..n, span(bi, ti));
+                        }
+                    })
+            });
+        // SAFETY: the products cover every row and column (an empty span writes zeros).
+        unsafe { out.set_len(len) };
+        Ok(out)
+    }
+}
+
+impl CustomOp2 for SpanMatmul {
+    fn name(&self) -> &'static str {
+        "fastops-masked-bmm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        a_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (av, bv) = Self::views(a_layout, b_layout)?;
+        let shape = Shape::from((av.batch, av.rows, bv.cols));
+        let out = match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(self.cpu_product((a, &av), (b, &bv))?)
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                CpuStorage::F64(self.cpu_product((a, &av), (b, &bv))?)
+            }
+            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
+        };
+        Ok((out, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        a_layout: &Layout,
+        b: &candle_core::CudaStorage,
+        b_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let (av, bv) = Self::views(a_layout, b_layout)?;
+        let shape = Shape::from((av.batch, av.rows, bv.cols));
+        let lock = self.spans.storage_and_layout();
+        let candle_core::Storage::Cuda(spans) = &*lock.0 else {
+            bail!("{OP}: the spans are not on the GPU");
+        };
+        let spans = spans.as_cuda_slice::<u32>()?.slice(lock.1.start_offset()..);
+        let stride = self.spans_batch_stride(av.batch)?;
+        let dev = &a.device;
+        let out = match (&a.slice, &b.slice) {
+            (S::F32(a), S::F32(b)) => {
+                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
+            }
+            (S::F16(a), S::F16(b)) => {
+                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
+            }
+            (S::BF16(a), S::BF16(b)) => {
+                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
+            }
+            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
+        };
+        Ok((out, shape))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::alloc_output;
+    use crate::matmul_core::cuda::{core_kernel, ProblemArgs};
+    use crate::matmul_core::{MatView, TILE};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
+
+    /// `SpanArgs` in `src/cuda/matmul.cu`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    struct SpanArgs {
+        spans_batch_stride: i64,
+        by_cols: i32,
+    }
+    // SAFETY: plain-old-data laid out as its C mirror.
+    unsafe impl DeviceRepr for SpanArgs {}
+
+    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+        dev: &CudaDevice,
+        a: &CudaSlice<T>,
+        b: &CudaSlice<T>,
+        spans: &CudaView<'_, u32>,
+        (av, bv): (&MatView, &MatView),
+        spans_batch_stride: usize,
+        by_cols: bool,
+    ) -> Result<CudaStorage> {
+        let (batch, m, n) = (av.batch, av.rows, bv.cols);
+        let out = alloc_output::<T>(dev, batch * m * n)?;
+        let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
+        if blocks > 0 {
+            if blocks > i32::MAX as usize {
+                candle_core::bail!("masked_bmm backward: too many output tiles ({blocks})");
+            }
+            let problem = ProblemArgs::new(av, bv);
+            let args = SpanArgs {
+                spans_batch_stride: 2 * spans_batch_stride as i64,
+                by_cols: by_cols as i32,
+            };
+            let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
+            let (kernel, shared_mem_bytes) = core_kernel::<T>(dev, "span_matmul", &problem)?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes,
+            };
+            // SAFETY: arguments match `span_matmul_*(a, b, spans, out, Problem, SpanArgs)`; the
+            // spans hold a pair per output tile along the spanned dim (checked by the caller)
+            // and the kernel clamps each span to the reduction length.
+            unsafe {
+                kernel.launch(cfg, |builder| {
+                    builder
+                        .arg(&a)
+                        .arg(&b)
+                        .arg(spans)
+                        .arg(&out)
+                        .arg(&problem)
+                        .arg(&args);
+                })?;
+            }
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
