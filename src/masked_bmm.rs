@@ -433,7 +433,8 @@ impl CustomOp3 for MaskedBmm {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let keep = mask.ne(&mask.zeros_like()?)?.broadcast_as(grad.shape())?;
-        let grad = keep.where_cond(grad, &grad.zeros_like()?)?;
+        let zero = Tensor::zeros((), grad.dtype(), grad.device())?.broadcast_as(grad.shape())?;
+        let grad = keep.where_cond(grad, &zero)?;
         // Only the spans of non-empty mask tiles contribute: along the mask's columns for
         // grad_a (per row tile), along its rows for grad_b (per column tile).
         let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, &self.plan.row_spans, false)?;
