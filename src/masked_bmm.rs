@@ -112,12 +112,12 @@ impl MaskPlan {
 ///   error-compensated tensor-core products ([`crate::F32Matmul::Compensated`]: three TF32 passes
 ///   with f32 accumulation, for operands whose rows start on 4-element boundaries; f32 FMAs
 ///   otherwise), or plain f32 FMAs ([`crate::F32Matmul::Fma`]), or TF32 (inputs rounded to 10
-///   mantissa bits). f16 and bf16 run on tensor cores with exact products and f32 accumulation: native 16-bit
-///   `mma.m16n8k16` (operands copied with `cp.async`, fragments by `ldmatrix`) when both operands
-///   have a contiguous dim whose rows start on 8-element boundaries (any contiguous or
-///   transposed tensor with sizes that are multiples of 8), otherwise the TF32 kernels (their
-///   values are exact in TF32). f64 in f64, CPU only. The CPU computes f16/bf16 in f32 and
-///   ignores TF32.
+///   mantissa bits). f16 and bf16 run on tensor cores with exact products and f32
+///   accumulation: native 16-bit `mma.m16n8k16` (operands copied with `cp.async`, fragments by
+///   `ldmatrix`) when both operands have a contiguous dim whose rows start on 8-element
+///   boundaries (any contiguous or transposed tensor with sizes that are multiples of 8),
+///   otherwise the TF32 kernels (their values are exact in TF32). f64 in f64, CPU only. The CPU
+///   computes f16/bf16 in f32 and ignores the f32 mode.
 /// * Autograd: `grad_a = (g masked) . b^T`, `grad_b = a^T . (g masked)` on the same core, each
 ///   output tile reducing only over the span of non-empty mask tiles along its row (grad_a) or
 ///   column (grad_b) of tiles: a causal mask halves the backward's work too.

@@ -12,17 +12,20 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// products and f32 accumulation; the CPU always computes in full f32 (f64 for f64).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum F32Matmul {
-    /// f32-accurate tensor-core products (the default): each operand is split into a TF32 part
-    /// and the TF32-rounded remainder, and three TF32 products (big.big + big.small + small.big)
-    /// are accumulated in f32. The dropped small.small term leaves at most about 2^-21 relative
-    /// error per product, the order of the f32 rounding of the accumulation itself
-    /// (`tests/matmul_f32_modes.rs` bounds its worst error by 4x the f32 FMA kernel's on the
-    /// same inputs; BENCHMARKS.md has the measured ratio). Used when both operands have a
-    /// contiguous dim whose rows start on 16-byte boundaries; other layouts run [`Self::Fma`].
+    /// f32-accurate tensor-core products (the default): each operand is split into its TF32
+    /// part and the remainder, and three TF32 products (small.big + big.small + big.big) are
+    /// summed from zero for every 8 of k and added to the f32 total with round-to-nearest adds.
+    /// The dropped small.small term and the remainder's own truncation leave at most about
+    /// 2^-21 relative error per product, the order of the f32 rounding of the accumulation
+    /// itself: measured against f64 on the H200 its worst error was 0.6-0.8x the f32 FMA
+    /// kernel's (k = 64 to 512; `tests/matmul_f32_modes.rs` fails above 4x). Used when both
+    /// operands have a contiguous dim whose rows start on 16-byte boundaries; other layouts run
+    /// [`Self::Fma`].
     #[default]
     Compensated,
-    /// Plain f32 FMAs on the CUDA cores (true f32 arithmetic, bit-for-bit one rounding per FMA;
-    /// about 2x slower than [`Self::Compensated`] on an H200).
+    /// Plain f32 FMAs on the CUDA cores (true f32 arithmetic, one rounding per FMA). On an H200
+    /// it is 1.1x slower than [`Self::Compensated`] for k-means and about as fast for
+    /// `masked_bmm` (BENCHMARKS.md).
     Fma,
     /// TF32 tensor cores: inputs rounded to a 10-bit mantissa (relative error about 5e-4 per
     /// product), f32 accumulation; like PyTorch's `allow_tf32`.

@@ -1,7 +1,11 @@
-// One tiled matrix-product core, two epilogues:
+// One tiled matrix-product core, three epilogues:
 //
 //   masked_bmm:     out[b, i, j] = keep(b, i, j) ? (a[b] . b[b])[i, j] : fill
 //   argmin_matmul:  out[b, i]    = argmin_j  scale * (a[b] . b[b])[i, j] + bias[j]
+//   span_matmul:    masked_bmm's backward products, each tile reducing over a span of k only
+//
+// Three forms of the core follow: the f32 FMA kernels, the register-staged TF32 kernels (`_tc`)
+// and the async core (`_h16`, `_tf32`, `_tf32x3`: cp.async stages, see its section).
 //
 // The core: a block of 256 threads owns a 128 x 128 output tile and walks k in steps of 8. Each
 // step's A (128 x 8) and B (8 x 128) slices are staged in shared memory, transposed so both are
