@@ -325,11 +325,11 @@ impl CustomOp3 for ArgminMatmul {
 mod cuda {
     use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
     use crate::matmul_core::{
-        cuda::{core_kernel, ProblemArgs},
+        cuda::{core_launch, ProblemArgs},
         MatView, TILE,
     };
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
     };
     use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
 
@@ -371,9 +371,6 @@ mod cuda {
         let wanted = 4 * BLOCKS_PER_SM * sm_count(dev)? as usize;
         let col_groups = wanted.div_ceil(batch * row_tiles).clamp(1, col_tiles);
         let blocks = batch * row_tiles * col_groups;
-        if blocks > i32::MAX as usize {
-            candle_core::bail!("argmin_matmul: too many row tiles ({blocks})");
-        }
         let problem = ProblemArgs::new(av, bv);
         let argmin_args = ArgminArgs {
             col_groups: col_groups as i64,
@@ -381,12 +378,8 @@ mod cuda {
         };
         let a = a.slice(av.start..);
         let b = b.slice(bv.start..);
-        let (product, shared_mem_bytes) = core_kernel::<T>(dev, "argmin_matmul", &problem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes,
-        };
+        let (product, cfg) =
+            core_launch::<T>(dev, "argmin_matmul", "argmin_matmul", &problem, blocks)?;
         // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
         // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
         unsafe {

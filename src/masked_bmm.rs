@@ -11,6 +11,7 @@ use crate::masked_bmm_grad::{span_matmul, tile_spans};
 use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::sync::{Arc, OnceLock};
 
 const OP: &str = "masked_bmm";
 
@@ -42,10 +43,10 @@ const _: () = assert!(EMPTY == 0 && PARTIAL == 1 && FULL == 2);
 pub struct MaskPlan {
     /// u8 `[plan_batch, row_tiles, col_tiles]` on the mask's device.
     states: Tensor,
-    /// The backward's reduction spans (`masked_bmm_grad::tile_spans`): u32 `[plan_batch,
-    /// row_tiles, 2]` and `[plan_batch, col_tiles, 2]`.
-    row_spans: Tensor,
-    col_spans: Tensor,
+    /// The backward's reduction spans (`masked_bmm_grad::tile_spans`: u32 `[plan_batch,
+    /// row_tiles, 2]` and `[plan_batch, col_tiles, 2]`), computed on the first backward and
+    /// shared by the plan's clones, so forward-only calls never pay for them.
+    spans: Arc<OnceLock<(Tensor, Tensor)>>,
     mask_dims: Vec<usize>,
 }
 
@@ -77,11 +78,9 @@ impl MaskPlan {
             // any + all: 0 = empty, 1 = partial, 2 = full.
             (any + all)?.contiguous()?
         };
-        let (row_spans, col_spans) = tile_spans(&states)?;
         Ok(Self {
             states,
-            row_spans,
-            col_spans,
+            spans: Arc::default(),
             mask_dims: mask.dims().to_vec(),
         })
     }
@@ -93,6 +92,15 @@ impl MaskPlan {
             counts[(s as usize).min(2)] += 1;
         }
         Ok(counts)
+    }
+
+    /// The backward's spans of non-empty tiles, per row tile and per column tile.
+    fn spans(&self) -> Result<&(Tensor, Tensor)> {
+        if let Some(spans) = self.spans.get() {
+            return Ok(spans);
+        }
+        let spans = tile_spans(&self.states)?;
+        Ok(self.spans.get_or_init(|| spans))
     }
 
     /// The shape of the mask the plan was built from.
@@ -437,8 +445,9 @@ impl CustomOp3 for MaskedBmm {
         let grad = keep.where_cond(grad, &zero)?;
         // Only the spans of non-empty mask tiles contribute: along the mask's columns for
         // grad_a (per row tile), along its rows for grad_b (per column tile).
-        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, &self.plan.row_spans, false)?;
-        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, &self.plan.col_spans, true)?;
+        let (row_spans, col_spans) = self.plan.spans()?;
+        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, row_spans, false)?;
+        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, col_spans, true)?;
         Ok((Some(grad_a), Some(grad_b), None))
     }
 }
@@ -447,9 +456,9 @@ impl CustomOp3 for MaskedBmm {
 mod cuda {
     use super::{Dims, TILE};
     use crate::cuda::alloc_output;
-    use crate::matmul_core::cuda::{core_kernel, ProblemArgs};
+    use crate::matmul_core::cuda::{core_launch, ProblemArgs};
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
     };
     use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
 
@@ -491,15 +500,8 @@ mod cuda {
             let problem = ProblemArgs::new(&dims.a, &dims.b);
             let a = a.slice(dims.a.start..);
             let b = b.slice(dims.b.start..);
-            if blocks > i32::MAX as usize {
-                candle_core::bail!("masked_bmm: too many output tiles ({blocks})");
-            }
-            let (kernel, shared_mem_bytes) = core_kernel::<T>(dev, "masked_bmm", &problem)?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes,
-            };
+            let (kernel, cfg) =
+                core_launch::<T>(dev, "masked_bmm", "masked_bmm", &problem, blocks)?;
             // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
             // the kernel bounds every access by the problem's sizes and strides, which come
             // from the operands' layouts.

@@ -250,10 +250,10 @@ impl CustomOp2 for SpanMatmul {
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cuda::alloc_output;
-    use crate::matmul_core::cuda::{core_kernel, ProblemArgs};
+    use crate::matmul_core::cuda::{core_launch, ProblemArgs};
     use crate::matmul_core::{MatView, TILE};
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
     };
     use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
 
@@ -280,21 +280,14 @@ mod cuda {
         let out = alloc_output::<T>(dev, batch * m * n)?;
         let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
         if blocks > 0 {
-            if blocks > i32::MAX as usize {
-                candle_core::bail!("masked_bmm backward: too many output tiles ({blocks})");
-            }
             let problem = ProblemArgs::new(av, bv);
             let args = SpanArgs {
                 spans_batch_stride: 2 * spans_batch_stride as i64,
                 by_cols: by_cols as i32,
             };
             let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
-            let (kernel, shared_mem_bytes) = core_kernel::<T>(dev, "span_matmul", &problem)?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes,
-            };
+            let (kernel, cfg) =
+                core_launch::<T>(dev, "masked_bmm backward", "span_matmul", &problem, blocks)?;
             // SAFETY: arguments match `span_matmul_*(a, b, spans, out, Problem, SpanArgs)`; the
             // spans hold a pair per output tile along the spanned dim (checked by the caller)
             // and the kernel clamps each span to the reduction length.

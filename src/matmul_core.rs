@@ -222,30 +222,42 @@ pub(crate) unsafe fn cpu_block_product<A: CpuGemm>(
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     use super::MatView;
-    use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
     use candle_core::cuda_backend::kernel_name;
     use candle_core::{DType, WithDType};
 
     /// Dynamic shared memory of the async core's kernels (`sizeof(AsyncStaging)` in the kernels).
     pub(crate) const ASYNC_SHARED_BYTES: usize = 81920;
 
-    /// The kernel for `T` and `problem` (see [`core_kernel_name`]), loaded, and the dynamic
-    /// shared memory its launches need.
-    pub(crate) fn core_kernel<T: WithDType>(
+    /// The kernel of `base` for `T` and `problem` (see [`core_kernel_name`]), loaded, and the
+    /// configuration of a launch of `blocks` blocks of the core (one output tile or column group
+    /// each; 256 threads, the dynamic shared memory of the async core). `op` names the caller in
+    /// the error for a grid too large to launch.
+    pub(crate) fn core_launch<T: WithDType>(
         dev: &candle_core::CudaDevice,
+        op: &str,
         base: &str,
         problem: &ProblemArgs,
-    ) -> candle_core::Result<(crate::cuda::Kernel, u32)> {
+        blocks: usize,
+    ) -> candle_core::Result<(crate::cuda::Kernel, LaunchConfig)> {
         use crate::cuda::{Kernel, Module};
+        if blocks > i32::MAX as usize {
+            candle_core::bail!("{op}: too many output tiles ({blocks})");
+        }
         let (name, is_async) = core_kernel_name::<T>(base, problem);
         let kernel = Kernel::load(dev, Module::Matmul, &name)?;
-        let shared = if is_async {
+        let shared_mem_bytes = if is_async {
             kernel.allow_dynamic_shared(ASYNC_SHARED_BYTES)?;
             ASYNC_SHARED_BYTES as u32
         } else {
             0
         };
-        Ok((kernel, shared))
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes,
+        };
+        Ok((kernel, cfg))
     }
 
     /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`, and whether it is one of the

@@ -26,6 +26,30 @@ fn worst_error(a: &Tensor, b: &Tensor, exact: &[f64]) -> Result<f64> {
         .fold(0.0, f64::max))
 }
 
+/// `argmin_matmul(a, b, bias, -2)` (the k-means form) against the f64 reference, within `tol`.
+fn check_kmeans_like_argmin(
+    a: &Tensor,
+    b: &Tensor,
+    bias: &Tensor,
+    tol: f64,
+    what: &str,
+) -> Result<()> {
+    let (batch, m, k) = a.dims3()?;
+    let n = b.dim(2)?;
+    let got = argmin_matmul(a, b, Some(bias), -2.0)?
+        .flatten_all()?
+        .to_vec1::<u32>()?;
+    let scores = argmin_reference(
+        &to_f64(a)?,
+        &to_f64(b)?,
+        &to_f64(bias)?,
+        -2.0,
+        (batch, m, k, n),
+    );
+    check_argmin(&got, &scores, tol, what);
+    Ok(())
+}
+
 /// Which f32 core ran shows in one product: with x = 1 + 2^-11 + 2^-22, TF32 rounds x to
 /// 1 + 2^-10 and the compensated split drops small^2 = (2^-11 - 2^-22)^2 per product, about 4 ulp
 /// of the FMA result. On aligned 8 x 8 x 8 operands (the async core on CUDA).
@@ -103,22 +127,13 @@ fn compensated_f32_matches_fma_accuracy() -> Result<()> {
                 "case {s} {what}: compensated error {compensated:.3e} against FMA {fma:.3e}"
             );
             let bias = rand_tensor(&[n], 2.0, DType::F32, &dev, salt + 3)?;
-            let got = argmin_matmul(&a, b, Some(&bias), -2.0)?
-                .flatten_all()?
-                .to_vec1::<u32>()?;
-            let scores = argmin_reference(
-                &to_f64(&a)?,
-                &to_f64(b)?,
-                &to_f64(&bias)?,
-                -2.0,
-                (batch, m, k, n),
-            );
-            check_argmin(
-                &got,
-                &scores,
+            check_kmeans_like_argmin(
+                &a,
+                b,
+                &bias,
                 1e-5 + 2e-6 * k as f64,
                 &format!("case {s} {what} argmin"),
-            );
+            )?;
         }
     }
     set_f32_matmul(F32Matmul::default());
@@ -185,22 +200,13 @@ fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
                 &format!("{dev:?} masked_bmm tf32 case {s}"),
             );
             let bias = rand_tensor(&[n], 2.0, DType::F32, &dev, salt + 2)?;
-            let got = argmin_matmul(&a, &b, Some(&bias), -2.0)?
-                .flatten_all()?
-                .to_vec1::<u32>()?;
-            let scores = argmin_reference(
-                &to_f64(&a)?,
-                &to_f64(&b)?,
-                &to_f64(&bias)?,
-                -2.0,
-                (batch, m, k, n),
-            );
-            check_argmin(
-                &got,
-                &scores,
+            check_kmeans_like_argmin(
+                &a,
+                &b,
+                &bias,
                 2.0 * tf32_tolerance(k),
                 &format!("{dev:?} argmin tf32 case {s}"),
-            );
+            )?;
         }
     }
     set_matmul_tf32(false);
