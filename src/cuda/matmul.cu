@@ -344,48 +344,71 @@ struct AsyncStaging {
 };
 static_assert(sizeof(AsyncStaging) == 81920, "mirrors ASYNC_SHARED_BYTES");
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    const uint32_t addr = shared_address(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes));
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Copies of one operand's TILE (outer) x stage_k (k) stage: two 16-byte chunks per thread, into
-// smem[outer][k] (k contiguous in global) or smem[k][outer] (outer contiguous). Chunks past the
-// operand's edge are zero-filled (a partial chunk copies its valid bytes only).
-template <typename T> struct StageCopier {
-    static constexpr int CHUNK = 16 / sizeof(T);  // elements per 16-byte chunk
-    const T* base;  // the tile's (outer 0, k 0) element
-    int64_t outer_stride, k_stride, outer_len, k_len;
-    bool k_major;   // k contiguous in global
+// Copies of one operand's TILE (outer) x stage_k (k) stages: two 16-byte chunks per thread, into
+// smem[outer][k] (K_MAJOR: k contiguous in global) or smem[k][outer] (outer contiguous). Chunks
+// past the operand's edge are zero-filled (a partial chunk copies its valid bytes only).
+// Everything but the stage's k is worked out once per tile: a stage's copies cost a few
+// instructions per chunk, not the 64-bit index arithmetic of a fresh placement (which made the
+// copies as costly as the products for short k).
+template <typename T, bool K_MAJOR> struct StageCopier {
+    static constexpr int CHUNK = 16 / sizeof(T);     // elements per 16-byte chunk
+    static constexpr int ROW_CHUNKS = TILE / CHUNK;  // chunks per [k][outer] row
+    const T* origin;  // chunk 0's source at k 0 (chunk 1 is 64 rows or THREADS / ROW_CHUNKS k further)
+    int64_t walk;     // the operand's non-unit stride: outer (K_MAJOR) or k
+    int cap[2];       // K_MAJOR: CHUNK if the chunk's row is inside the operand, else 0;
+                      // else: the chunk's elements inside the operand along outer (0..CHUNK)
 
-    __device__ __forceinline__ StageCopier(const T* b, const Operand& op, int64_t outer_len_, int64_t k_len_)
-        : base(b), outer_stride(op.outer_stride), k_stride(op.k_stride), outer_len(outer_len_), k_len(k_len_),
-          k_major(op.mode == K_CONTIGUOUS) {}
+    __device__ __forceinline__ static int chunk(int q) { return threadIdx.x + q * THREADS; }
+    __device__ __forceinline__ static int outer_of(int q) {
+        return K_MAJOR ? chunk(q) >> 2 : (chunk(q) % ROW_CHUNKS) * CHUNK;
+    }
+    __device__ __forceinline__ static int k_of(int q) { return K_MAJOR ? (chunk(q) & 3) * CHUNK : chunk(q) / ROW_CHUNKS; }
+    __device__ __forceinline__ static uint32_t dst_of(int q) {
+        return K_MAJOR ? outer_of(q) * KROW_BYTES + k_of(q) * int(sizeof(T))
+                       : (k_of(q) * outer_row<T>() + outer_of(q)) * int(sizeof(T));
+    }
 
-    __device__ __forceinline__ void copy(uint8_t* smem, int64_t k0) const {
-        constexpr int ROW_CHUNKS = TILE / CHUNK;  // chunks per [k][outer] row
+    // `tile` is the operand's (outer 0, k 0) element of the tile; `outer_len` its extent along
+    // outer from there. K_MAJOR operands have k stride 1, the others outer stride 1.
+    __device__ __forceinline__ StageCopier(const T* tile, const Operand& op, int64_t outer_len)
+        : walk(K_MAJOR ? op.outer_stride : op.k_stride) {
+        origin = tile + (K_MAJOR ? outer_of(0) * walk + k_of(0) : outer_of(0) + k_of(0) * walk);
+        set_outer_len(outer_len);
+    }
+
+    __device__ __forceinline__ void set_outer_len(int64_t outer_len) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-            const int c = threadIdx.x + q * THREADS;
-            int outer, kk;
-            int64_t valid;
-            if (k_major) {
-                outer = c >> 2;
-                kk = (c & 3) * CHUNK;
-                valid = outer < outer_len ? min(max(k_len - k0 - kk, int64_t(0)), int64_t(CHUNK)) : 0;
-            } else {
-                kk = c / ROW_CHUNKS;
-                outer = (c % ROW_CHUNKS) * CHUNK;
-                valid = k0 + kk < k_len ? min(max(outer_len - outer, int64_t(0)), int64_t(CHUNK)) : 0;
-            }
-            const T* src = valid > 0 ? base + outer * outer_stride + (k0 + kk) * k_stride : base;
-            const int dst = k_major ? outer * KROW_BYTES + kk * int(sizeof(T))
-                                    : (kk * outer_row<T>() + outer) * int(sizeof(T));
-            cp_async16(smem + dst, src, static_cast<int>(valid) * int(sizeof(T)));
+            const int64_t room = outer_len - outer_of(q);
+            cap[q] = K_MAJOR ? (room > 0 ? CHUNK : 0) : static_cast<int>(min(max(room, int64_t(0)), int64_t(CHUNK)));
+        }
+    }
+
+    // Moves to the tile `outer` elements further along outer, `outer_len` from its edge.
+    __device__ __forceinline__ void next_tile(int64_t outer, int64_t outer_len) {
+        origin += K_MAJOR ? outer * walk : outer;
+        set_outer_len(outer_len);
+    }
+
+    // The stage at k0 into the stage buffer at shared address `buf`; `k_left` is the operand's k
+    // extent from k0 (clamped to int). `any` is a valid address, the source of chunks that copy
+    // nothing (a kernel argument: it costs no register).
+    __device__ __forceinline__ void copy(uint32_t buf, int64_t k0, int k_left, const T* any) const {
+        constexpr int NEXT = K_MAJOR ? THREADS / 4 : THREADS / ROW_CHUNKS;  // chunk 1's offset in walks
+        const T* at = origin + (K_MAJOR ? k0 : k0 * walk);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int valid = K_MAJOR ? min(max(k_left - k_of(q), 0), cap[q]) : (k_left > k_of(q) ? cap[q] : 0);
+            const T* src = valid > 0 ? at + q * NEXT * walk : any;
+            cp_async16(buf + dst_of(q), src, valid * int(sizeof(T)));
         }
     }
 };
@@ -395,52 +418,40 @@ template <typename T> struct StageCopier {
 // The k-major offsets serve both element sizes: 16 bytes of k are 8 halves or 4 f32, the k
 // half-step of a 16-bit m16n8k16 fragment and of an f32 m16n8k8 one. (f32 operands that are
 // outer-major do not use ldmatrix.)
-struct FragmentOffsets {
+template <bool AK, bool BK> struct FragmentOffsets {
     uint32_t a, b;
 
-    __device__ __forceinline__ FragmentOffsets(bool a_k_major, bool b_k_major) {
+    __device__ __forceinline__ FragmentOffsets() {
         constexpr int OPAD = outer_row<uint16_t>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
-        a = a_k_major ? (m0 + (lane & 15)) * KROW_BYTES + (lane >> 4) * 16
-                      : 2 * (((lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + ((lane >> 3) & 1) * 8);
-        b = b_k_major ? (n0 + (lane & 7) + ((lane >> 4) << 3)) * KROW_BYTES + ((lane >> 3) & 1) * 16
-                      : 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + (lane >> 4) * 8);
+        a = AK ? (m0 + (lane & 15)) * KROW_BYTES + (lane >> 4) * 16
+               : 2 * (((lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + ((lane >> 3) & 1) * 8);
+        b = BK ? (n0 + (lane & 7) + ((lane >> 4) << 3)) * KROW_BYTES + ((lane >> 3) & 1) * 16
+               : 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * OPAD + n0 + (lane >> 4) * 8);
     }
 };
 
 // A stage's products, 16-bit: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
-// fragments (8 columns each) by ldmatrix, then 16 mma.
-template <typename T>
-__device__ __forceinline__ void stage_product16(const uint8_t* As, const uint8_t* Bs, bool a_k_major, bool b_k_major,
-                                                const FragmentOffsets& off, float (&acc)[8][8]) {
+// fragments (8 columns each) by ldmatrix, then 16 mma. AK / BK: the operand's stage is k-major.
+template <typename T, bool AK, bool BK>
+__device__ __forceinline__ void stage_product16(uint32_t a_base, uint32_t b_base, const FragmentOffsets<AK, BK>& off,
+                                                float (&acc)[8][8]) {
     constexpr int OPAD_BYTES = 2 * outer_row<T>();
-    const uint32_t a_base = shared_address(As);
-    const uint32_t b_base = shared_address(Bs);
 #pragma unroll
     for (int step = 0; step < stage_k<T>() / 16; ++step) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
             // 16 rows further: 16 smem rows ([outer][k]) or 16 elements along a row ([k][outer]).
-            const uint32_t addr =
-                a_base + off.a + mi * (a_k_major ? 16 * KROW_BYTES : 32) + step * (a_k_major ? 32 : 16 * OPAD_BYTES);
-            if (a_k_major) {
-                ldmatrix_x4<false>(af[mi], addr);
-            } else {
-                ldmatrix_x4<true>(af[mi], addr);
-            }
+            const uint32_t addr = a_base + off.a + mi * (AK ? 16 * KROW_BYTES : 32) + step * (AK ? 32 : 16 * OPAD_BYTES);
+            ldmatrix_x4<!AK>(af[mi], addr);
         }
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
             uint32_t r[4];
-            const uint32_t addr =
-                b_base + off.b + np * (b_k_major ? 16 * KROW_BYTES : 32) + step * (b_k_major ? 32 : 16 * OPAD_BYTES);
-            if (b_k_major) {
-                ldmatrix_x4<false>(r, addr);
-            } else {
-                ldmatrix_x4<true>(r, addr);
-            }
+            const uint32_t addr = b_base + off.b + np * (BK ? 16 * KROW_BYTES : 32) + step * (BK ? 32 : 16 * OPAD_BYTES);
+            ldmatrix_x4<!BK>(r, addr);
             bf[2 * np][0] = r[0];
             bf[2 * np][1] = r[1];
             bf[2 * np + 1][0] = r[2];
@@ -455,17 +466,24 @@ __device__ __forceinline__ void stage_product16(const uint8_t* As, const uint8_t
     }
 }
 
-// An f32 fragment register split for PASSES TF32 products: big = tf32(x); small = x - big (its
-// bits beyond TF32 are ignored by the mma, a truncation of at most 2^-11 of the small part).
+// An f32 fragment register split for PASSES TF32 products. big is x rounded to nearest TF32 by
+// integer adds (half a TF32 ulp, then the 13 low bits cleared: two instructions, where cvt.rna
+// takes four); +-inf stay inf, and so does a NaN whose payload lies only in those 13 bits (the
+// mma itself reads such a NaN as inf). One pass needs no clearing: the mma ignores the low bits.
+// small = x - big is exact (its own bits beyond TF32 are ignored by the mma, a truncation of at
+// most 2^-11 of the small part).
 template <int PASSES, int N> struct Split {
     uint32_t big[N], small[N];
     __device__ __forceinline__ Split(const uint32_t (&x)[N]) {
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const float v = __uint_as_float(x[i]);
-            const float b = to_tf32(v);
-            big[i] = __float_as_uint(b);
-            if constexpr (PASSES == 3) small[i] = __float_as_uint(v - b);
+            const uint32_t half_up = x[i] + 0x1000u;
+            if constexpr (PASSES == 3) {
+                big[i] = half_up & 0xffffe000u;
+                small[i] = __float_as_uint(__uint_as_float(x[i]) - __uint_as_float(big[i]));
+            } else {
+                big[i] = half_up;
+            }
         }
     }
 };
@@ -473,20 +491,16 @@ template <int PASSES, int N> struct Split {
 // A stage's products, f32 as TF32: for each k8 step, the warp's 4 B fragments (split once) and,
 // one at a time, its 4 A fragments (split as they are used, which keeps the registers of the
 // split B fragments, one split A fragment and the accumulators under the cap).
-template <int PASSES>
-__device__ __forceinline__ void stage_product_f32(const uint8_t* As, const uint8_t* Bs, bool a_k_major,
-                                                  bool b_k_major, const FragmentOffsets& off, float (&acc)[8][8]) {
+template <int PASSES, bool AK, bool BK, int ROUND = 2>
+__device__ __forceinline__ void stage_product_f32(uint32_t a_base, uint32_t b_base, const float* Af, const float* Bf,
+                                                  const FragmentOffsets<AK, BK>& off, float (&acc)[8][8]) {
     constexpr int OROW = outer_row<float>();
-    const uint32_t a_base = shared_address(As);
-    const uint32_t b_base = shared_address(Bs);
-    const float* Af = reinterpret_cast<const float*>(As);
-    const float* Bf = reinterpret_cast<const float*>(Bs);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
 #pragma unroll
     for (int step = 0; step < stage_k<float>() / 8; ++step) {
         uint32_t braw[4][2];
-        if (b_k_major) {
+        if constexpr (BK) {
 #pragma unroll
             for (int np = 0; np < 2; ++np) {
                 uint32_t r[4];
@@ -508,7 +522,7 @@ __device__ __forceinline__ void stage_product_f32(const uint8_t* As, const uint8
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
             uint32_t araw[4];
-            if (a_k_major) {
+            if constexpr (AK) {
                 ldmatrix_x4<false>(araw, a_base + off.a + mi * 16 * KROW_BYTES + step * 32);
             } else {
                 const float* at = Af + (step * 8 + t) * OROW + m0 + mi * 16 + g;
@@ -518,69 +532,137 @@ __device__ __forceinline__ void stage_product_f32(const uint8_t* As, const uint8
                 araw[3] = __float_as_uint(at[4 * OROW + 8]);
             }
             const Split<PASSES, 4> as(araw);
+            if constexpr (PASSES == 3) {
+                // The mma rounds its f32 sums toward zero; on a running total that bias adds up
+                // over k (5x the FMA kernel's error at k = 512). So each k8 step's three products
+                // start from zero, and the total takes them with round-to-nearest adds. The
+                // products go in rounds over the four fragments, so that consecutive mma do not
+                // wait on each other.
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                on_fragment(acc, mi, ni, [&](float (&c)[4]) {
-                    if constexpr (PASSES == 3) {
-                        // The mma rounds its f32 sums toward zero; on a running total that bias
-                        // adds up over k (5x the FMA kernel's error at k = 512). So each k8 step's
-                        // three products start from zero, and the total takes them with
-                        // round-to-nearest adds.
-                        float part[4] = {0.f, 0.f, 0.f, 0.f};
-                        mma_tf32(part, as.small, bs[ni].big);
-                        mma_tf32(part, as.big, bs[ni].small);
-                        mma_tf32(part, as.big, bs[ni].big);
+                for (int n0 = 0; n0 < 4; n0 += ROUND) {
+                    float part[ROUND][4];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) c[e] += part[e];
-                    } else {
-                        mma_tf32(c, as.big, bs[ni].big);
+                    for (int r = 0; r < ROUND; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) part[r][e] = 0.f;
+                        mma_tf32(part[r], as.small, bs[n0 + r].big);
                     }
-                });
+#pragma unroll
+                    for (int r = 0; r < ROUND; ++r) mma_tf32(part[r], as.big, bs[n0 + r].small);
+#pragma unroll
+                    for (int r = 0; r < ROUND; ++r) mma_tf32(part[r], as.big, bs[n0 + r].big);
+#pragma unroll
+                    for (int r = 0; r < ROUND; ++r)
+                        on_fragment(acc, mi, n0 + r, [&](float (&c)[4]) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) c[e] += part[r][e];
+                        });
+                }
+            } else {
+#pragma unroll
+                for (int ni = 0; ni < 4; ++ni)
+                    on_fragment(acc, mi, ni, [&](float (&c)[4]) { mma_tf32(c, as.big, bs[ni].big); });
             }
         }
     }
 }
 
-// The accumulators (AccLayout<true>) of this thread for the tile at (row0, col0) of `batch`.
-template <typename T, int PASSES>
-__device__ __forceinline__ void tile_product_async(const Problem& p, const T* a, const T* b, int64_t batch,
-                                                   int64_t row0, int64_t col0, float (&acc)[8][8], AsyncStaging& sm) {
+// The async core's main loop over a run of `tiles` output tiles that share their rows: columns
+// col0, col0 + col_step, ... . After each tile's last stage, `tile_done(col)` reads the
+// accumulators. The stages stream across tiles: the next tile's first copies are in flight while
+// a tile finishes and its epilogue runs, so a short k (k-means: d = 64 is 4 stages) does not
+// drain and refill the pipeline at every tile. a_tile / b_tile: the operands' first tile.
+template <typename T, int PASSES, bool AK, bool BK, class TileDone>
+__device__ __forceinline__ void stream_tiles_as(const Problem& p, const T* a, const T* b, const T* a_tile,
+                                                const T* b_tile, int64_t row0,
+                                                int64_t col0, int64_t col_step, int64_t tiles, float (&acc)[8][8],
+                                                AsyncStaging& sm, TileDone& tile_done) {
+    auto zero = [&] {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+            for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    };
     constexpr int KS = stage_k<T>();
-    const StageCopier<T> ca(a + batch * p.a.batch_stride + row0 * p.a.outer_stride, p.a, p.m - row0, p.k);
-    const StageCopier<T> cb(b + batch * p.b.batch_stride + col0 * p.b.outer_stride, p.b, p.n - col0, p.k);
     const int64_t steps = (p.k + KS - 1) / KS;
-    if (steps == 0) return;
-    const FragmentOffsets off(ca.k_major, cb.k_major);
-    // The previous tile's last stages may still be read by other warps.
-    __syncthreads();
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < steps) {
-            ca.copy(sm.a[st], st * KS);
-            cb.copy(sm.b[st], st * KS);
+    if (steps == 0) {
+        for (int64_t t = 0; t < tiles; ++t) {
+            zero();
+            tile_done(col0 + t * col_step);
+        }
+        return;
+    }
+    StageCopier<T, AK> ca(a_tile, p.a, p.m - row0);
+    StageCopier<T, BK> cb(b_tile, p.b, p.n - col0);
+    const FragmentOffsets<AK, BK> off;
+    const uint32_t a_smem = shared_address(sm.a[0]), b_smem = shared_address(sm.b[0]);
+    // Counts of stages fit an int: B alone holds TILE * KS elements per tile stage.
+    const int total = static_cast<int>(tiles * steps);
+    // The copy side: flat stage `issued`, which is stage `issue_step` of the tile at `issue_col`.
+    int issued = 0, issue_step = 0, issue_buf = 0;
+    int64_t issue_col = col0;
+    auto issue = [&] {
+        if (issued < total) {
+            const int64_t k0 = issue_step * KS;
+            const int k_left = static_cast<int>(min(p.k - k0, int64_t(INT_MAX)));
+            ca.copy(a_smem + issue_buf * STAGE_BYTES, k0, k_left, a);
+            cb.copy(b_smem + issue_buf * STAGE_BYTES, k0, k_left, b);
+            issue_buf = issue_buf + 1 == STAGES ? 0 : issue_buf + 1;
+            if (++issued < total && ++issue_step == steps) {
+                issue_step = 0;
+                issue_col += col_step;
+                cb.next_tile(col_step, p.n - issue_col);
+            }
         }
         cp_async_commit();  // possibly empty: one group per stage keeps the count uniform
-    }
-    for (int64_t s = 0; s < steps; ++s) {
+    };
+    // The block's warps may still read the stage buffers for an earlier product.
+    __syncthreads();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) issue();
+    int step = 0, cur = 0;
+    int64_t col = col0;
+    zero();
+    for (int s = 0; s < total; ++s) {
         cp_async_wait<STAGES - 2>();  // stage s has landed (for this thread) ...
         __syncthreads();  // ... and for every thread, which are all done with stage s - 1
-        const int64_t ahead = s + STAGES - 1;
-        if (ahead < steps) {
-            const int buf = static_cast<int>(ahead % STAGES);
-            ca.copy(sm.a[buf], ahead * KS);
-            cb.copy(sm.b[buf], ahead * KS);
-        }
-        cp_async_commit();
-        const int cur = static_cast<int>(s % STAGES);
+        issue();
+        const uint32_t a_buf = a_smem + cur * STAGE_BYTES, b_buf = b_smem + cur * STAGE_BYTES;
         if constexpr (sizeof(T) == 2) {
-            stage_product16<T>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
+            stage_product16<T>(a_buf, b_buf, off, acc);
         } else {
-            stage_product_f32<PASSES>(sm.a[cur], sm.b[cur], ca.k_major, cb.k_major, off, acc);
+            stage_product_f32<PASSES>(a_buf, b_buf, reinterpret_cast<const float*>(sm.a[cur]),
+                                      reinterpret_cast<const float*>(sm.b[cur]), off, acc);
         }
+        cur = cur + 1 == STAGES ? 0 : cur + 1;
+        if (++step == steps) {
+            step = 0;
+            tile_done(col);
+            col += col_step;
+            // Cleared here, in the branch, not at a tile's first stage: a conditional clear
+            // there becomes 64 selects in every stage.
+            if (s + 1 < total) zero();
+        }
+    }
+}
+
+// stream_tiles_as for the operands' layouts (one copy of the loop per layout pair, so the stage
+// products carry no layout branches).
+template <typename T, int PASSES, class TileDone>
+__device__ __forceinline__ void stream_tiles(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
+                                             int64_t col0, int64_t col_step, int64_t tiles, float (&acc)[8][8],
+                                             AsyncStaging& sm, TileDone&& tile_done) {
+    const T* a_tile = a + batch * p.a.batch_stride + row0 * p.a.outer_stride;
+    const T* b_tile = b + batch * p.b.batch_stride + col0 * p.b.outer_stride;
+    const bool ak = p.a.mode == K_CONTIGUOUS, bk = p.b.mode == K_CONTIGUOUS;
+    if (ak && bk) {
+        stream_tiles_as<T, PASSES, true, true>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+    } else if (ak) {
+        stream_tiles_as<T, PASSES, true, false>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+    } else if (bk) {
+        stream_tiles_as<T, PASSES, false, true>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+    } else {
+        stream_tiles_as<T, PASSES, false, false>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
     }
 }
 
@@ -589,6 +671,7 @@ __device__ __forceinline__ void tile_product_async(const Problem& p, const T* a,
 enum Core : int { FMA = 0, TC = 1, ASYNC = 2, ASYNC_X3 = 3 };
 template <int CORE> __host__ __device__ constexpr bool tensor_cores() { return CORE != FMA; }
 template <int CORE> __host__ __device__ constexpr bool is_async() { return CORE >= ASYNC; }
+template <int CORE> __host__ __device__ constexpr int passes() { return CORE == ASYNC_X3 ? 3 : 1; }
 
 // The staging buffers of a core: FMA / TF32 (static Staging<TC>) or async (dynamic AsyncStaging).
 template <int CORE> __device__ __forceinline__ auto& staging() {
@@ -605,7 +688,7 @@ template <typename T, int CORE, class S>
 __device__ __forceinline__ void product(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
                                         int64_t col0, float (&acc)[8][8], S& sm) {
     if constexpr (is_async<CORE>()) {
-        tile_product_async<T, CORE == ASYNC_X3 ? 3 : 1>(p, a, b, batch, row0, col0, acc, sm);
+        stream_tiles<T, passes<CORE>()>(p, a, b, batch, row0, col0, TILE, 1, acc, sm, [](int64_t) {});
     } else {
         tile_product<T, tensor_cores<CORE>()>(p, a, b, batch, row0, col0, acc, sm);
     }
@@ -778,12 +861,35 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
         best_bits[i] = ~0u;
         best_col[i] = ~0u;
     }
+    // The async kernels park the minima in shared memory between tiles (16 KiB per block): the
+    // 16 registers they would hold through the main loop are what the TF32 x3 products need to
+    // keep several mma in flight.
+    constexpr bool PARK = is_async<CORE>();
+    __shared__ uint2 parked[PARK ? 8 : 1][PARK ? THREADS : 1];
+    auto park = [&] {
+        if constexpr (PARK) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) parked[i][threadIdx.x] = make_uint2(best_bits[i], best_col[i]);
+        }
+    };
+    auto unpark = [&] {
+        if constexpr (PARK) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint2 v = parked[i][threadIdx.x];
+                best_bits[i] = v.x;
+                best_col[i] = v.y;
+            }
+        }
+    };
+    park();
     float acc[8][8];
     // The tile's scores into the running minima.
     // The tile's scores into the running minima, a pair of adjacent columns at a time (both
     // accumulator layouts hold columns in adjacent pairs): the lower of the two, the left one on a
     // tie, a number over a NaN, then one ordered-key compare for the pair.
     auto consume = [&](int64_t col0) {
+        unpark();
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
             const int64_t col = col0 + at.col_of(j);
@@ -806,11 +912,20 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
                 }
             }
         }
+        park();
     };
-    for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
-        const int64_t col0 = ct * TILE;
-        product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
-        consume(col0);
+    if constexpr (is_async<CORE>()) {
+        // One pipeline through all of the block's column tiles.
+        const int64_t tiles = (col_tiles - tile.col_group + am.col_groups - 1) / am.col_groups;
+        stream_tiles<T, passes<CORE>()>(p, a, b, tile.batch, row0, tile.col_group * TILE, am.col_groups * TILE,
+                                        tiles, acc, sm, consume);
+        unpark();
+    } else {
+        for (int64_t ct = tile.col_group; ct < col_tiles; ct += am.col_groups) {
+            const int64_t col0 = ct * TILE;
+            product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
+            consume(col0);
+        }
     }
     unsigned long long best[8];
 #pragma unroll
