@@ -884,32 +884,38 @@ __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* 
     };
     park();
     float acc[8][8];
-    // The tile's scores into the running minima.
-    // The tile's scores into the running minima, a pair of adjacent columns at a time (both
-    // accumulator layouts hold columns in adjacent pairs): the lower of the two, the left one on a
-    // tie, a number over a NaN, then one ordered-key compare for the pair.
+    // The tile's scores into the running minima, a row at a time: the row's smallest score over
+    // this thread's 8 columns (fminf takes a number over a NaN), the first of those columns that
+    // holds it (the lowest: col_of is increasing), then one ordered-key compare per row. Columns
+    // past n score NaN, so they never hold a number's minimum; a row with only NaN scores takes
+    // the thread's first column, which is in range (else the thread has no columns here).
     auto consume = [&](int64_t col0) {
+        if (col0 + at.col_of(0) >= p.n) return;
+        float cb[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int64_t col = col0 + at.col_of(j);
+            cb[j] = col < p.n ? bias[col] + 0.0f : __int_as_float(0x7fc00000);  // -0 -> +0
+        }
         unpark();
 #pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-            const int64_t col = col0 + at.col_of(j);
-            if (col >= p.n) continue;
-            const bool has_right = col + 1 < p.n;
-            const float cb = bias[col] + 0.0f;  // -0 -> +0
-            const float cb_right = has_right ? bias[col + 1] + 0.0f : 0.0f;
+        for (int i = 0; i < 8; ++i) {
+            float v[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float left = fmaf(am.scale, acc[i][j], cb);
-                const float right = has_right ? fmaf(am.scale, acc[i][j + 1], cb_right) : left;
-                const bool take_right = !(left <= right) && right == right;
-                const uint32_t bits = ordered_bits(take_right ? right : left);
-                // Every key is below the all-ones start (the largest is a NaN's, 0xffc00000), so
-                // the first score always takes; the FMA / register-staged TF32 kernels keep the explicit
-                // first-score test, without which their register allocation spills.
-                if (bits < best_bits[i] || (!is_async<CORE>() && best_col[i] == ~0u)) {
-                    best_bits[i] = bits;
-                    best_col[i] = static_cast<uint32_t>(take_right ? col + 1 : col);
-                }
+            for (int j = 0; j < 8; ++j) v[j] = fmaf(am.scale, acc[i][j], cb[j]);
+            float low = v[0];
+#pragma unroll
+            for (int j = 1; j < 8; ++j) low = fminf(low, v[j]);
+            int first = 0;
+#pragma unroll
+            for (int j = 7; j > 0; --j) first = v[j] == low ? j : first;
+            const uint32_t bits = ordered_bits(low);
+            // Every key is below the all-ones start (the largest is a NaN's, 0xffc00000), so the
+            // first score always takes; the FMA / register-staged TF32 kernels keep the explicit
+            // first-score test, without which their register allocation spills.
+            if (bits < best_bits[i] || (!is_async<CORE>() && best_col[i] == ~0u)) {
+                best_bits[i] = bits;
+                best_col[i] = static_cast<uint32_t>(col0 + at.col_of(first));
             }
         }
         park();
