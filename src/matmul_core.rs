@@ -24,8 +24,8 @@ pub enum F32Matmul {
     #[default]
     Compensated,
     /// Plain f32 FMAs on the CUDA cores (true f32 arithmetic, one rounding per FMA). On an H200
-    /// it is 1.1x slower than [`Self::Compensated`] for k-means and about as fast for
-    /// `masked_bmm` (BENCHMARKS.md).
+    /// it is 1.5x slower than [`Self::Compensated`] for k-means and within 0.9-1.2x of it for
+    /// causal `masked_bmm` (BENCHMARKS.md).
     Fma,
     /// TF32 tensor cores: inputs rounded to a 10-bit mantissa (relative error about 5e-4 per
     /// product), f32 accumulation; like PyTorch's `allow_tf32`.
