@@ -215,6 +215,17 @@ fn async_argmin_ties_and_nan_columns() -> Result<()> {
                 (1, m, k, n),
             );
             assert_lowest_best(&got, &scores, &[], &format!("{dtype:?} planted ties"));
+            // Every column the same: every score of a row ties, so every row takes column 0
+            // (whichever thread or tile holds it).
+            let same = Tensor::from_vec(cols[0].repeat(n), (n, k), dev)?
+                .to_dtype(dtype)?
+                .t()?;
+            let got = argmin_matmul(&at, &same, None, 1.0)?.to_vec1::<u32>()?;
+            assert!(
+                got.iter().all(|&j| j == 0),
+                "{dtype:?} all columns tied: {:?}",
+                &got[..8]
+            );
             // NaN in columns 10 (left of its pair) and 13 (right of its pair).
             let mut nan_cols = cols.clone();
             nan_cols[10][0] = f32::NAN;
