@@ -20,7 +20,8 @@ pub enum F32Matmul {
     /// itself: measured against f64 on the H200 its worst error was 0.6-0.8x the f32 FMA
     /// kernel's (k = 64 to 512; `tests/matmul_f32_modes.rs` fails above 4x). Used when both
     /// operands have a contiguous dim whose rows start on 16-byte boundaries; other layouts run
-    /// [`Self::Fma`].
+    /// [`Self::Fma`]. An infinite operand element makes its products NaN here (its split is
+    /// inf - inf); [`Self::Fma`] keeps IEEE infinities.
     #[default]
     Compensated,
     /// Plain f32 FMAs on the CUDA cores (true f32 arithmetic, one rounding per FMA). On an H200
