@@ -305,18 +305,14 @@ impl CustomOp3 for ArgminMatmul {
         bias: &candle_core::CudaStorage,
         bias_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::cuda_backend::CudaStorageSlice as S;
         let (av, bv, shape) = views(a_layout, b_layout)?;
         let dev = &a.device;
         let bias = bias
             .as_cuda_slice::<f32>()?
             .slice(bias_layout.start_offset()..);
-        let out = match (&a.slice, &b.slice) {
-            (S::F32(a), S::F32(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
-            (S::F16(a), S::F16(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
-            (S::BF16(a), S::BF16(b)) => cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?,
-            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
-        };
+        let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
+            cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?
+        });
         Ok((out, shape))
     }
 }

@@ -43,6 +43,26 @@ macro_rules! with_float_cuda {
 #[cfg(feature = "cuda")]
 pub(crate) use with_float_cuda;
 
+/// `with_float_cuda_pair!(op_name, a.slice, b.slice, |a, b| body)`: [`with_float_cuda`] for two
+/// operands of one dtype (the matmul-core ops); a mixed pair is an error naming the op.
+#[cfg(feature = "cuda")]
+macro_rules! with_float_cuda_pair {
+    ($op:expr, $a_enum:expr, $b_enum:expr, |$a:ident, $b:ident| $body:expr) => {{
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        match ($a_enum, $b_enum) {
+            (S::F32($a), S::F32($b)) => $body,
+            (S::F16($a), S::F16($b)) => $body,
+            (S::BF16($a), S::BF16($b)) => $body,
+            _ => candle_core::bail!(
+                "{}: unsupported dtype on CUDA (expected f32, f16 or bf16, the same for both operands)",
+                $op
+            ),
+        }
+    }};
+}
+#[cfg(feature = "cuda")]
+pub(crate) use with_float_cuda_pair;
+
 /// The operand checks every float op makes, written once: `main`'s dtype is f32, f16, bf16 or f64
 /// (f64 on the CPU only), each of `same_dtype` has `main`'s dtype, and each of `same_dtype` and
 /// `same_device` sits on `main`'s device. Operands are `(name, tensor)`, named in the errors.

@@ -414,7 +414,6 @@ impl CustomOp3 for MaskedBmm {
         mask: &candle_core::CudaStorage,
         mask_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::cuda_backend::CudaStorageSlice as S;
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let dev = &a.device;
         let lock = self.plan.states.storage_and_layout();
@@ -423,12 +422,9 @@ impl CustomOp3 for MaskedBmm {
         };
         let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
         let mask = mask.as_cuda_slice::<u8>()?.slice(dims.mask_start..);
-        let out = match (&a.slice, &b.slice) {
-            (S::F32(a), S::F32(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
-            (S::F16(a), S::F16(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
-            (S::BF16(a), S::BF16(b)) => cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?,
-            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
-        };
+        let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
+            cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?
+        });
         Ok((out, dims.out_shape()))
     }
 

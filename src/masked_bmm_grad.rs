@@ -221,7 +221,6 @@ impl CustomOp2 for SpanMatmul {
         b: &candle_core::CudaStorage,
         b_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::cuda_backend::CudaStorageSlice as S;
         let (av, bv) = Self::views(a_layout, b_layout)?;
         let shape = Shape::from((av.batch, av.rows, bv.cols));
         let lock = self.spans.storage_and_layout();
@@ -231,18 +230,9 @@ impl CustomOp2 for SpanMatmul {
         let spans = spans.as_cuda_slice::<u32>()?.slice(lock.1.start_offset()..);
         let stride = self.spans_batch_stride(av.batch)?;
         let dev = &a.device;
-        let out = match (&a.slice, &b.slice) {
-            (S::F32(a), S::F32(b)) => {
-                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
-            }
-            (S::F16(a), S::F16(b)) => {
-                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
-            }
-            (S::BF16(a), S::BF16(b)) => {
-                cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
-            }
-            _ => bail!("{OP}: unsupported dtype on CUDA (expected f32, f16 or bf16)"),
-        };
+        let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
+            cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
+        });
         Ok((out, shape))
     }
 }
