@@ -58,32 +58,29 @@
 //!
 //! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
 
-mod argmin_matmul;
 mod bias_add;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod determinism;
 mod dispatch;
-mod masked_bmm;
-mod masked_bmm_grad;
-mod matmul_core;
+mod matmul;
 pub mod optim;
 mod poison;
-mod reduce_plan;
 mod softmax;
 mod sparse_linear;
 
-pub use argmin_matmul::{argmin_matmul, kmeans_assign, kmeans_assign_with_distances};
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};
-pub use masked_bmm::{masked_bmm, masked_bmm_with_plan, MaskPlan};
-pub use matmul_core::{f32_matmul, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul};
+pub use matmul::{
+    argmin_matmul, f32_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm,
+    masked_bmm_with_plan, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul, MaskPlan,
+};
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
-pub use reduce_plan::ReducePlan;
+pub use softmax::plan::ReducePlan;
 pub use softmax::{log_softmax_dims, softmax_dims};
 #[doc(hidden)]
 pub use sparse_linear::sparse_linear_backward;

@@ -17,9 +17,6 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-mod fused;
-#[cfg(feature = "cuda")]
-mod multi_tensor;
 mod small_fc_lopt;
 
 pub use small_fc_lopt::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

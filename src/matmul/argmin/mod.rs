@@ -9,7 +9,7 @@
 //! rows by a block of columns into a small buffer and scans it.
 
 use crate::dispatch::check_float_operands;
-use crate::matmul_core::{cpu_block_product, CpuGemm, MatView};
+use crate::matmul::core::{cpu_block_product, CpuGemm, MatView};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -318,85 +318,4 @@ impl CustomOp3 for ArgminMatmul {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
-    use crate::matmul_core::{
-        cuda::{core_launch, ProblemArgs},
-        MatView, TILE,
-    };
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
-    };
-    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
-
-    /// `ArgminArgs` in `src/cuda/matmul.cu`.
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy)]
-    struct ArgminArgs {
-        col_groups: i64,
-        scale: f32,
-    }
-    // SAFETY: plain-old-data laid out as its C mirror.
-    unsafe impl DeviceRepr for ArgminArgs {}
-
-    /// Resident blocks per SM of the product kernels (`__launch_bounds__(256, 2)`).
-    const BLOCKS_PER_SM: usize = 2;
-
-    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-        dev: &CudaDevice,
-        a: &CudaSlice<T>,
-        b: &CudaSlice<T>,
-        bias: &CudaView<'_, f32>,
-        av: &MatView,
-        bv: &MatView,
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        let (batch, m, n) = (av.batch, av.rows, bv.cols);
-        let rows = batch * m;
-        let out = alloc_output::<u32>(dev, rows)?;
-        if rows == 0 {
-            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-        }
-        // All ones: the largest key, above any real score.
-        // SAFETY: filled below before any read.
-        let mut keys = unsafe { dev.alloc::<u64>(rows)? };
-        fill_bytes(dev, &mut keys, 0xFF)?;
-        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        // Enough blocks for four waves: split the column tiles of each row tile between blocks
-        // when there are few row tiles.
-        let wanted = 4 * BLOCKS_PER_SM * sm_count(dev)? as usize;
-        let col_groups = wanted.div_ceil(batch * row_tiles).clamp(1, col_tiles);
-        let blocks = batch * row_tiles * col_groups;
-        let problem = ProblemArgs::new(av, bv);
-        let argmin_args = ArgminArgs {
-            col_groups: col_groups as i64,
-            scale,
-        };
-        let a = a.slice(av.start..);
-        let b = b.slice(bv.start..);
-        let (product, cfg) =
-            core_launch::<T>(dev, "argmin_matmul", "argmin_matmul", &problem, blocks)?;
-        // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
-        // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
-        unsafe {
-            product.launch(cfg, |args| {
-                args.arg(&a)
-                    .arg(&b)
-                    .arg(bias)
-                    .arg(&keys)
-                    .arg(&problem)
-                    .arg(&argmin_args);
-            })?;
-        }
-        let rows64 = rows as u64;
-        let cfg = grid_stride_config(dev, rows64, 256, 4, 0)?;
-        let finish = Kernel::load(dev, Module::Matmul, "argmin_keys_to_index")?;
-        // SAFETY: `argmin_keys_to_index(keys, out, rows)` with both buffers `rows` long.
-        unsafe {
-            finish.launch(cfg, |args| {
-                args.arg(&keys).arg(&out).arg(&rows64);
-            })?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-}
+mod cuda;

@@ -8,7 +8,7 @@
 //! chunks, and by row / column tiles for wide 2-D matrices), Adafactor factors, accumulators +
 //! feature statistics, MLP + parameter update. Parameters are written in place.
 
-use super::fused::{Decays, Hyper, FEATURES, MLP_FLOATS};
+use super::cpu::{Decays, Hyper, FEATURES, MLP_FLOATS};
 use crate::cuda::{FastDiv, Kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,

@@ -7,8 +7,8 @@
 //! product itself is the core in `src/matmul_core.rs` / `src/cuda/matmul.cu`.
 
 use crate::dispatch::check_float_operands;
-use crate::masked_bmm_grad::{span_matmul, tile_spans};
-use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
+use crate::matmul::backward::{span_matmul, tile_spans};
+use crate::matmul::core::{cpu_block_product, CpuGemm, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
@@ -449,70 +449,4 @@ impl CustomOp3 for MaskedBmm {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use super::{Dims, TILE};
-    use crate::cuda::alloc_output;
-    use crate::matmul_core::cuda::{core_launch, ProblemArgs};
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
-    };
-    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
-
-    /// `MaskArgs` in `src/cuda/matmul.cu`.
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy)]
-    struct MaskArgs {
-        mask_batch_stride: i64,
-        plan_batch_stride: i64,
-        fill: f32,
-    }
-    // SAFETY: plain-old-data laid out as its C mirror.
-    unsafe impl DeviceRepr for MaskArgs {}
-
-    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-        dev: &CudaDevice,
-        a: &CudaSlice<T>,
-        b: &CudaSlice<T>,
-        mask: &CudaView<'_, u8>,
-        states: &CudaView<'_, u8>,
-        dims: &Dims,
-        fill: f64,
-    ) -> Result<CudaStorage> {
-        let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
-        let out = alloc_output::<T>(dev, batch * m * n)?;
-        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        let blocks = batch * row_tiles * col_tiles;
-        if blocks > 0 {
-            let plan_tiles = row_tiles * col_tiles;
-            let mask_args = MaskArgs {
-                mask_batch_stride: dims.mask_batch_stride as i64,
-                plan_batch_stride: if states.len() > plan_tiles {
-                    plan_tiles as i64
-                } else {
-                    0
-                },
-                fill: fill as f32,
-            };
-            let problem = ProblemArgs::new(&dims.a, &dims.b);
-            let a = a.slice(dims.a.start..);
-            let b = b.slice(dims.b.start..);
-            let (kernel, cfg) =
-                core_launch::<T>(dev, "masked_bmm", "masked_bmm", &problem, blocks)?;
-            // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
-            // the kernel bounds every access by the problem's sizes and strides, which come
-            // from the operands' layouts.
-            unsafe {
-                kernel.launch(cfg, |args| {
-                    args.arg(&a)
-                        .arg(&b)
-                        .arg(mask)
-                        .arg(states)
-                        .arg(&out)
-                        .arg(&problem)
-                        .arg(&mask_args);
-                })?;
-            }
-        }
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-}
+mod cuda;

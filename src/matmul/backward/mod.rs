@@ -8,7 +8,7 @@
 //! over its span alone. On a causal mask that halves the work; on a mask with holes inside a span
 //! the zeros of the masked gradient keep the result exact.
 
-use crate::matmul_core::{cpu_block_product, CpuGemm, MatView, TILE};
+use crate::matmul::core::{cpu_block_product, CpuGemm, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -238,61 +238,4 @@ impl CustomOp2 for SpanMatmul {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use crate::cuda::alloc_output;
-    use crate::matmul_core::cuda::{core_launch, ProblemArgs};
-    use crate::matmul_core::{MatView, TILE};
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, PushKernelArg,
-    };
-    use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
-
-    /// `SpanArgs` in `src/cuda/matmul.cu`.
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy)]
-    struct SpanArgs {
-        spans_batch_stride: i64,
-        by_cols: i32,
-    }
-    // SAFETY: plain-old-data laid out as its C mirror.
-    unsafe impl DeviceRepr for SpanArgs {}
-
-    pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-        dev: &CudaDevice,
-        a: &CudaSlice<T>,
-        b: &CudaSlice<T>,
-        spans: &CudaView<'_, u32>,
-        (av, bv): (&MatView, &MatView),
-        spans_batch_stride: usize,
-        by_cols: bool,
-    ) -> Result<CudaStorage> {
-        let (batch, m, n) = (av.batch, av.rows, bv.cols);
-        let out = alloc_output::<T>(dev, batch * m * n)?;
-        let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
-        if blocks > 0 {
-            let problem = ProblemArgs::new(av, bv);
-            let args = SpanArgs {
-                spans_batch_stride: 2 * spans_batch_stride as i64,
-                by_cols: by_cols as i32,
-            };
-            let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
-            let (kernel, cfg) =
-                core_launch::<T>(dev, "masked_bmm backward", "span_matmul", &problem, blocks)?;
-            // SAFETY: arguments match `span_matmul_*(a, b, spans, out, Problem, SpanArgs)`; the
-            // spans hold a pair per output tile along the spanned dim (checked by the caller)
-            // and the kernel clamps each span to the reduction length.
-            unsafe {
-                kernel.launch(cfg, |builder| {
-                    builder
-                        .arg(&a)
-                        .arg(&b)
-                        .arg(spans)
-                        .arg(&out)
-                        .arg(&problem)
-                        .arg(&args);
-                })?;
-            }
-        }
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-}
+mod cuda;

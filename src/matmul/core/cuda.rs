@@ -1,0 +1,148 @@
+use super::MatView;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::kernel_name;
+use candle_core::{DType, WithDType};
+
+/// Dynamic shared memory of the async core's kernels (`sizeof(AsyncStaging)` in the kernels).
+pub(crate) const ASYNC_SHARED_BYTES: usize = 81920;
+
+/// The kernel of `base` for `T` and `problem` (see [`core_kernel_name`]), loaded, and the
+/// configuration of a launch of `blocks` blocks of the core (one output tile or column group
+/// each; 256 threads, the dynamic shared memory of the async core). `op` names the caller in
+/// the error for a grid too large to launch.
+pub(crate) fn core_launch<T: WithDType>(
+    dev: &candle_core::CudaDevice,
+    op: &str,
+    base: &str,
+    problem: &ProblemArgs,
+    blocks: usize,
+) -> candle_core::Result<(crate::cuda::Kernel, LaunchConfig)> {
+    use crate::cuda::{Kernel, Module};
+    if blocks > i32::MAX as usize {
+        candle_core::bail!("{op}: too many output tiles ({blocks})");
+    }
+    let (name, is_async) = core_kernel_name::<T>(base, problem);
+    let kernel = Kernel::load(dev, Module::Matmul, &name)?;
+    let shared_mem_bytes = if is_async {
+        kernel.allow_dynamic_shared(ASYNC_SHARED_BYTES)?;
+        ASYNC_SHARED_BYTES as u32
+    } else {
+        0
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes,
+    };
+    Ok((kernel, cfg))
+}
+
+/// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`, and whether it is one of the
+/// async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
+/// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by [`super::f32_matmul`]:
+/// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
+/// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
+fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> (String, bool) {
+    use super::F32Matmul;
+    let copyable = problem.copyable(T::DTYPE.size_in_bytes())
+        && crate::cuda::tuning("FASTOPS_MATMUL_ASYNC").unwrap_or(1) != 0;
+    let variant = match (T::DTYPE, super::f32_matmul(), copyable) {
+        (DType::F32, F32Matmul::Fma, _) | (DType::F32, F32Matmul::Compensated, false) => "",
+        (DType::F32, F32Matmul::Compensated, true) => "_tf32x3",
+        (DType::F32, F32Matmul::Tf32, true) => "_tf32",
+        (_, _, false) => "_tc",
+        (_, _, true) => "_h16",
+    };
+    let is_async = copyable && !variant.is_empty() && variant != "_tc";
+    (kernel_name::<T>(&format!("{base}{variant}")), is_async)
+}
+
+/// How a block's threads map onto an operand tile for coalesced loads.
+const K_CONTIGUOUS: i32 = 0;
+const OUTER_CONTIGUOUS: i32 = 1;
+const STRIDED: i32 = 2;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OperandArgs {
+    batch_stride: i64,
+    outer_stride: i64,
+    k_stride: i64,
+    mode: i32,
+    vectorised: i32,
+}
+
+impl OperandArgs {
+    /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
+    /// elements relative to the view's start.
+    fn new(view: &MatView, outer_stride: usize, k_stride: usize, outer_len: usize) -> Self {
+        // Whether runs of `group` elements along the contiguous dim, starting at multiples
+        // of `group`, are aligned to `group` elements (4: the FMA / TF32 cores' vector
+        // loads; 8: the 16-bit core's 16-byte copies of 2-byte elements).
+        let aligned_to = |group: usize| {
+            let aligned = |s: usize| s.is_multiple_of(group);
+            let common = aligned(view.start) && (view.batch <= 1 || aligned(view.batch_stride));
+            if k_stride == 1 {
+                common && (outer_len <= 1 || aligned(outer_stride))
+            } else {
+                common && aligned(k_stride)
+            }
+        };
+        let mode = if k_stride == 1 {
+            K_CONTIGUOUS
+        } else if outer_stride == 1 {
+            OUTER_CONTIGUOUS
+        } else {
+            STRIDED
+        };
+        let vectorised = if mode == STRIDED {
+            0
+        } else if aligned_to(8) {
+            2
+        } else {
+            aligned_to(4) as i32
+        };
+        Self {
+            batch_stride: view.batch_stride as i64,
+            outer_stride: outer_stride as i64,
+            k_stride: k_stride as i64,
+            mode,
+            vectorised,
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProblemArgs {
+    a: OperandArgs,
+    b: OperandArgs,
+    batch: i64,
+    m: i64,
+    n: i64,
+    k: i64,
+}
+
+// SAFETY: plain-old-data structs laid out as their C mirrors.
+unsafe impl DeviceRepr for ProblemArgs {}
+
+impl ProblemArgs {
+    /// Whether both operands suit the async core's 16-byte copies of `elem_bytes`-byte
+    /// elements: a contiguous dim whose runs of 16 bytes are aligned.
+    fn copyable(&self, elem_bytes: usize) -> bool {
+        let needed = if elem_bytes == 4 { 1 } else { 2 };
+        self.a.vectorised >= needed && self.b.vectorised >= needed
+    }
+
+    /// `a` `[batch, m, k]` times `b` `[batch, k, n]`; a broadcast `b` has batch stride 0.
+    pub(crate) fn new(a: &MatView, b: &MatView) -> Self {
+        Self {
+            a: OperandArgs::new(a, a.row_stride, a.col_stride, a.rows),
+            b: OperandArgs::new(b, b.col_stride, b.row_stride, b.cols),
+            batch: a.batch as i64,
+            m: a.rows as i64,
+            n: b.cols as i64,
+            k: a.cols as i64,
+        }
+    }
+}

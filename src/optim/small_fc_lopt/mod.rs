@@ -1,0 +1,263 @@
+//! small_fc_lopt: an MLP learned optimizer (`AdafacMLPLOpt`). Per element it builds 39 features
+//! from the gradient, the parameter, three momenta, an rms accumulator and Adafactor row/column
+//! factors, normalises them per tensor, runs a 39-32-32-2 MLP and steps by
+//! `direction * exp(exp_mult * magnitude) * step_mult`. The algorithm follows
+//! `../shared/specs/small_fc_lopt.md` (PyLO's naive version); tests replay its golden vectors.
+//!
+//! CPU, per tensor: for matrices the small per-row / per-column Adafactor tensors with candle
+//! ops, then two fused per-element passes (`fused.rs`, rayon) — the first updates the momenta /
+//! rms (/ vector Adafactor) accumulators and sums the squared features, the second rebuilds the
+//! features, runs the MLP and writes the parameter — so the `[39, n]` features never exist in
+//! memory. CUDA: the same passes, plus the Adafactor reductions, as four or five kernels over
+//! all tensors at once, on state kept in flat device buffers and updated in place
+//! (`multi_tensor.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
+//! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod mlp;
+mod params;
+mod reference;
+mod state;
+mod step;
+
+pub use mlp::MlpWeights;
+pub use params::{NonFiniteGrads, ParamsSmallFcLOpt};
+
+use candle_core::{bail, DType, Result, Tensor, Var};
+use mlp::StepMlp;
+use params::{decay, Decays};
+use state::TensorState;
+
+const OPT: &str = "small_fc_lopt";
+/// Features per element; the first `NORMALISED` are normalised per tensor, the rest are time
+/// features.
+const NUM_FEATURES: usize = 39;
+const NORMALISED: usize = 28;
+const HIDDEN: usize = 32;
+const TIME_SCALES: [f64; 11] = [
+    1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0, 30000.0, 100000.0,
+];
+const MOMENTUM_BASE: [f64; 3] = [0.9, 0.99, 0.999];
+const RMS_BASE: f64 = 0.999;
+const ADAFACTOR_BASE: [f64; 3] = [0.9, 0.99, 0.999];
+
+/// small_fc_lopt as a [`candle_nn::Optimizer`]: `SmallFcLOpt::new(vars, params)`, then
+/// `step(&grads)` or `backward_step(&loss)` like candle's `AdamW`.
+///
+/// * Variables: any rank (0-D included) and float dtype (the optimizer state is f32), all on one
+///   device (CPU or CUDA). Variables without a gradient are skipped, as candle's optimizers do.
+/// * State: 3 momenta and an rms accumulator per element, plus Adafactor factors (3 per row and
+///   3 per column of a matrix, 3 per element of a vector); [`SmallFcLOpt::save_state`] /
+///   [`SmallFcLOpt::load_state`] round-trip it with the step counter, so a run resumes exactly.
+/// * Every gradient is checked (device, shape, dtype) before any variable is updated.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+/// use candle_nn::Optimizer;
+/// let dev = Device::Cpu;
+/// let mlp = MlpWeights::from_safetensors(
+///     concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/small_fc_lopt_mlp.safetensors"),
+///     &dev,
+/// )?;
+/// let w = Var::from_tensor(&Tensor::new(&[[1f32, -2.], [3., 0.5]], &dev)?)?;
+/// let mut opt = SmallFcLOpt::new(vec![w.clone()], ParamsSmallFcLOpt::new(mlp))?;
+/// let loss = w.as_tensor().sqr()?.sum_all()?;
+/// opt.backward_step(&loss)?;
+/// assert_eq!(opt.steps_taken(), 1);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct SmallFcLOpt {
+    params: ParamsSmallFcLOpt,
+    states: Vec<TensorState>,
+    steps: u64,
+    /// CUDA with the fused path: every state in flat buffers (`states` are views into them),
+    /// stepped by the multi-tensor kernels.
+    #[cfg(feature = "cuda")]
+    flat: Option<cuda::DeviceState>,
+}
+
+impl candle_nn::Optimizer for SmallFcLOpt {
+    type Config = ParamsSmallFcLOpt;
+
+    fn new(vars: Vec<Var>, params: ParamsSmallFcLOpt) -> Result<Self> {
+        let device = match vars.first() {
+            Some(v) => v.device().clone(),
+            None => params.mlp.device().clone(),
+        };
+        for (i, var) in vars.iter().enumerate() {
+            if !var.dtype().is_float() {
+                bail!(
+                    "{OPT}: variable {i} (shape {:?}) is {:?}, not a float dtype",
+                    var.dims(),
+                    var.dtype()
+                );
+            }
+            if !var.device().same_device(&device) {
+                bail!(
+                    "{OPT}: variables on mixed devices: variable 0 is on {:?}, variable {i} on {:?}",
+                    device.location(),
+                    var.device().location()
+                );
+            }
+        }
+        let params = ParamsSmallFcLOpt {
+            mlp: params.mlp.to_device(&device)?,
+            ..params
+        };
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() && params.fused {
+            let (flat, states) = TensorState::new_flat(vars, &device)?;
+            return Ok(Self {
+                params,
+                states,
+                steps: 0,
+                flat: Some(flat),
+            });
+        }
+        let states = vars
+            .into_iter()
+            .map(TensorState::new)
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            params,
+            states,
+            steps: 0,
+            #[cfg(feature = "cuda")]
+            flat: None,
+        })
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<()> {
+        // Check everything first: a bad gradient must not leave some tensors updated.
+        let mut work = Vec::with_capacity(self.states.len());
+        for (i, state) in self.states.iter().enumerate() {
+            let Some(grad) = grads.get(&state.var) else {
+                continue;
+            };
+            if grad.dims() != state.var.dims() {
+                bail!(
+                    "{OPT}: gradient of variable {i} has shape {:?}, the variable {:?}",
+                    grad.dims(),
+                    state.var.dims()
+                );
+            }
+            if !grad.device().same_device(state.var.device()) {
+                bail!(
+                    "{OPT}: gradient of variable {i} is on {:?}, the variable on {:?}",
+                    grad.device().location(),
+                    state.var.device().location()
+                );
+            }
+            if !grad.dtype().is_float() {
+                bail!(
+                    "{OPT}: gradient of variable {i} is {:?}, not a float dtype",
+                    grad.dtype()
+                );
+            }
+            work.push((i, grad.clone()));
+        }
+        let decays = Decays {
+            momentum: std::array::from_fn(|k| {
+                decay(MOMENTUM_BASE[k], self.params.momentum_offsets[k])
+            }),
+            rms: decay(RMS_BASE, self.params.rms_offset),
+            adafactor: std::array::from_fn(|k| {
+                decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
+            }),
+            adafactor_tensors: {
+                let dev = self.params.mlp.device();
+                let betas: [f64; 3] = std::array::from_fn(|k| {
+                    decay(ADAFACTOR_BASE[k], self.params.adafactor_offsets[k])
+                });
+                (
+                    Tensor::new(&betas.map(|b| b as f32), dev)?,
+                    Tensor::new(&betas.map(|b| (1.0 - b) as f32), dev)?,
+                )
+            },
+        };
+        let mlp = StepMlp::new(&self.params.mlp, &self.time_features()?)?;
+        #[cfg(feature = "cuda")]
+        if let Some(flat) = &self.flat {
+            self.flat_step(flat, work, &decays, &mlp)?;
+            self.steps += 1;
+            return Ok(());
+        }
+        // Compute every new state and parameter, then commit them all.
+        let mut updates = Vec::with_capacity(work.len());
+        for (i, grad) in work {
+            if let Some(update) = self.tensor_step(&self.states[i], &grad, &decays, &mlp)? {
+                updates.push((i, update));
+            }
+        }
+        for (i, (state, param)) in updates {
+            let var = self.states[i].var.clone();
+            var.set(&param)?;
+            self.states[i] = state;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+}
+
+impl SmallFcLOpt {
+    /// Steps taken so far (the `t` of the time features).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps
+    }
+
+    /// The hyper-parameters.
+    pub fn params(&self) -> &ParamsSmallFcLOpt {
+        &self.params
+    }
+
+    /// `tanh(t / tau - 1)` for the 11 time scales, as a `[11, 1]` f32 column.
+    fn time_features(&self) -> Result<Tensor> {
+        let t = self.steps as f64;
+        let values: Vec<f32> = TIME_SCALES
+            .iter()
+            .map(|tau| (t / tau - 1.0).tanh() as f32)
+            .collect();
+        Tensor::from_vec(values, (TIME_SCALES.len(), 1), self.params.mlp.device())
+    }
+
+    /// The gradient as f32 in the optimizer's shape, after the non-finite policy; `None` when
+    /// the tensor is skipped this step.
+    fn prepare_grad(&self, state: &TensorState, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = grad.to_dtype(DType::F32)?.reshape(state.shape.as_slice())?;
+        match self.params.non_finite {
+            NonFiniteGrads::Propagate => {}
+            NonFiniteGrads::Zero => {
+                let finite = g.abs()?.lt(f64::INFINITY)?; // false for NaN and +-inf
+                g = finite.where_cond(&g, &g.zeros_like()?)?;
+            }
+            NonFiniteGrads::SkipTensor => {
+                let worst = g.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                if !worst.is_finite() {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(g))
+    }
+
+    fn hyper(&self) -> cpu::Hyper {
+        cpu::Hyper {
+            step_mult: self.params.step_mult as f32,
+            exp_mult: self.params.exp_mult as f32,
+            lr: self.params.lr as f32,
+            weight_decay: self.params.weight_decay as f32,
+        }
+    }
+}

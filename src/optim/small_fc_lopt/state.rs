@@ -1,0 +1,278 @@
+//! Per-tensor optimizer state (momenta, rms, Adafactor factors), its flat CUDA layout, and
+//! save / load.
+
+#[cfg(feature = "cuda")]
+use super::cuda;
+use super::{SmallFcLOpt, OPT};
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The Adafactor accumulators of one tensor.
+#[derive(Debug, Clone)]
+pub(super) enum Factors {
+    /// Rank >= 2: `row.get(k)` is the k-th accumulator of means over axis `d0` (the largest,
+    /// kept with size 1), `col.get(k)` of means over `d1` (the second largest). The three are
+    /// stacked along a leading axis so one op updates all of them.
+    Matrix {
+        d0: usize,
+        d1: usize,
+        row: Tensor,
+        col: Tensor,
+    },
+    /// Rank 0 and 1: one accumulator per element.
+    Vector { full: [Tensor; 3] },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct TensorState {
+    pub(super) var: Var,
+    /// The shape the optimizer works in: the variable's, with rank 0 as `[1]`.
+    pub(super) shape: Vec<usize>,
+    pub(super) momentum: [Tensor; 3],
+    pub(super) rms: Tensor,
+    pub(super) factors: Factors,
+}
+
+/// The axes of the largest and second-largest dims (ties: the later axis counts as larger).
+pub(super) fn factored_axes(shape: &[usize]) -> (usize, usize) {
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by_key(|&a| (shape[a], a));
+    (order[shape.len() - 1], order[shape.len() - 2])
+}
+
+impl TensorState {
+    pub(super) fn new(var: Var) -> Result<Self> {
+        let shape = if var.rank() == 0 {
+            vec![1]
+        } else {
+            var.dims().to_vec()
+        };
+        let dev = var.device();
+        let zeros = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
+        let three = |shape: &[usize]| -> Result<[Tensor; 3]> {
+            Ok([zeros(shape)?, zeros(shape)?, zeros(shape)?])
+        };
+        let factors = if shape.len() >= 2 {
+            let (d0, d1) = factored_axes(&shape);
+            let mut row_shape = shape.clone();
+            row_shape[d0] = 1;
+            let mut col_shape = shape.clone();
+            col_shape[d1] = 1;
+            let stacked = |shape: &[usize]| zeros(&[&[3], shape].concat());
+            Factors::Matrix {
+                d0,
+                d1,
+                row: stacked(&row_shape)?,
+                col: stacked(&col_shape)?,
+            }
+        } else {
+            Factors::Vector {
+                full: three(&shape)?,
+            }
+        };
+        Ok(Self {
+            momentum: three(&shape)?,
+            rms: zeros(&shape)?,
+            factors,
+            shape,
+            var,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl TensorState {
+    /// The states of `vars` as views into one set of flat device buffers.
+    pub(super) fn new_flat(vars: Vec<Var>, dev: &Device) -> Result<(cuda::DeviceState, Vec<Self>)> {
+        let shapes: Vec<_> = vars
+            .iter()
+            .map(|v| {
+                let shape = if v.rank() == 0 {
+                    vec![1]
+                } else {
+                    v.dims().to_vec()
+                };
+                let axes = (shape.len() >= 2).then(|| factored_axes(&shape));
+                (shape, axes)
+            })
+            .collect();
+        let flat = cuda::DeviceState::new(&shapes, dev)?;
+        let mut states = Vec::with_capacity(vars.len());
+        for ((var, (shape, axes)), slots) in vars.into_iter().zip(shapes).zip(&flat.slots) {
+            let n = slots.n;
+            let plane = |buf: &Tensor, at: usize| buf.narrow(0, at, n)?.reshape(shape.as_slice());
+            let factors = match (&slots.kind, axes) {
+                (
+                    cuda::SlotKind::Matrix {
+                        row,
+                        row_shape,
+                        col,
+                        col_shape,
+                    },
+                    Some((d0, d1)),
+                ) => {
+                    let stacked = |buf: &Tensor, at: usize, shape: &[usize]| {
+                        let len: usize = shape.iter().product();
+                        buf.narrow(0, at, 3 * len)?.reshape([&[3], shape].concat())
+                    };
+                    Factors::Matrix {
+                        d0,
+                        d1,
+                        row: stacked(&flat.row, *row, row_shape)?,
+                        col: stacked(&flat.col, *col, col_shape)?,
+                    }
+                }
+                (cuda::SlotKind::Vector { full }, None) => Factors::Vector {
+                    full: [
+                        plane(&flat.full, *full)?,
+                        plane(&flat.full, full + n)?,
+                        plane(&flat.full, full + 2 * n)?,
+                    ],
+                },
+                _ => bail!("{OPT}: internal error, flat state layout does not match the tensor"),
+            };
+            let e = slots.elem;
+            states.push(Self {
+                momentum: [
+                    plane(&flat.elem, e)?,
+                    plane(&flat.elem, e + n)?,
+                    plane(&flat.elem, e + 2 * n)?,
+                ],
+                rms: plane(&flat.elem, e + 3 * n)?,
+                factors,
+                shape,
+                var,
+            });
+        }
+        Ok((flat, states))
+    }
+
+    /// Overwrites this state's values (views into the flat buffers) with `src`'s.
+    pub(super) fn copy_from(&self, src: &TensorState) -> Result<()> {
+        let pairs: Vec<(&Tensor, &Tensor)> = match (&self.factors, &src.factors) {
+            (Factors::Matrix { row, col, .. }, Factors::Matrix { row: r, col: c, .. }) => {
+                vec![(row, r), (col, c)]
+            }
+            (Factors::Vector { full }, Factors::Vector { full: f }) => full.iter().zip(f).collect(),
+            _ => bail!("{OPT}: internal error, state kinds differ"),
+        };
+        let momenta = self.momentum.iter().zip(&src.momentum);
+        for (dst, src) in pairs
+            .into_iter()
+            .chain(momenta)
+            .chain(std::iter::once((&self.rms, &src.rms)))
+        {
+            dst.flatten_all()?
+                .slice_set(&src.flatten_all()?.contiguous()?, 0, 0)?;
+        }
+        Ok(())
+    }
+}
+
+/// The three views of a stacked `[3, ...]` tensor.
+pub(super) fn unstack(t: &Tensor) -> Result<[Tensor; 3]> {
+    Ok([t.get(0)?, t.get(1)?, t.get(2)?])
+}
+
+impl SmallFcLOpt {
+    /// Writes the optimizer state (step counter, and every accumulator of every variable, keyed
+    /// by the variable's position in the list given to `new`) to a safetensors file.
+    pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        map.insert(
+            "steps".into(),
+            Tensor::new(&[self.steps as i64], &Device::Cpu)?,
+        );
+        for (i, s) in self.states.iter().enumerate() {
+            for (k, m) in s.momentum.iter().enumerate() {
+                map.insert(format!("{i}.momentum.{k}"), m.clone());
+            }
+            map.insert(format!("{i}.rms"), s.rms.clone());
+            match &s.factors {
+                Factors::Matrix { row, col, .. } => {
+                    for (k, (r, c)) in unstack(row)?.iter().zip(&unstack(col)?).enumerate() {
+                        map.insert(format!("{i}.row.{k}"), r.clone());
+                        map.insert(format!("{i}.col.{k}"), c.clone());
+                    }
+                }
+                Factors::Vector { full } => {
+                    for (k, f) in full.iter().enumerate() {
+                        map.insert(format!("{i}.full.{k}"), f.clone());
+                    }
+                }
+            }
+        }
+        candle_core::safetensors::save(&map, path)
+    }
+
+    /// Restores a state written by [`SmallFcLOpt::save_state`] for the same list of variables
+    /// (same count and shapes). Nothing changes when the file does not match.
+    pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let dev = self.params.mlp.device().clone();
+        let map = candle_core::safetensors::load(path, &dev)?;
+        let take = |name: &str, like: &Tensor| -> Result<Tensor> {
+            let Some(t) = map.get(name) else {
+                bail!("{OPT}: state file has no tensor `{name}`");
+            };
+            if t.dims() != like.dims() || t.dtype() != DType::F32 {
+                bail!(
+                    "{OPT}: state tensor `{name}` is {:?} {:?}, expected {:?} f32",
+                    t.dims(),
+                    t.dtype(),
+                    like.dims()
+                );
+            }
+            Ok(t.clone())
+        };
+        let steps = match map.get("steps") {
+            Some(t) => t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?[0],
+            None => bail!("{OPT}: state file has no `steps`"),
+        };
+        let expected = self.states.len();
+        let stored = map.keys().filter(|k| k.ends_with(".rms")).count();
+        if stored != expected {
+            bail!("{OPT}: state file holds {stored} variables, this optimizer {expected}");
+        }
+        let mut restored = Vec::with_capacity(expected);
+        for (i, s) in self.states.iter().enumerate() {
+            let three = |what: &str, like: &[Tensor; 3]| -> Result<[Tensor; 3]> {
+                Ok([
+                    take(&format!("{i}.{what}.0"), &like[0])?,
+                    take(&format!("{i}.{what}.1"), &like[1])?,
+                    take(&format!("{i}.{what}.2"), &like[2])?,
+                ])
+            };
+            let factors = match &s.factors {
+                Factors::Matrix { d0, d1, row, col } => Factors::Matrix {
+                    d0: *d0,
+                    d1: *d1,
+                    row: Tensor::stack(&three("row", &unstack(row)?)?, 0)?,
+                    col: Tensor::stack(&three("col", &unstack(col)?)?, 0)?,
+                },
+                Factors::Vector { full } => Factors::Vector {
+                    full: three("full", full)?,
+                },
+            };
+            restored.push(TensorState {
+                var: s.var.clone(),
+                shape: s.shape.clone(),
+                momentum: three("momentum", &s.momentum)?,
+                rms: take(&format!("{i}.rms"), &s.rms)?,
+                factors,
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if self.flat.is_some() {
+            // The states are views into the flat buffers the kernels update: copy into them.
+            for (dst, src) in self.states.iter().zip(&restored) {
+                dst.copy_from(src)?;
+            }
+            self.steps = steps.max(0) as u64;
+            return Ok(());
+        }
+        self.states = restored;
+        self.steps = steps.max(0) as u64;
+        Ok(())
+    }
+}

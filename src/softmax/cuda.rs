@@ -1,0 +1,248 @@
+use crate::cuda::{alloc_output, sm_count, tuning, FastDiv, Kernel, Module};
+use crate::softmax::plan::{Block, ReducePlan, MAX_BLOCKS};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::kernel_name;
+use candle_core::{bail, CudaDevice, Result, WithDType};
+
+/// Mirrors `ReduceLayout` in `softmax.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ReduceLayout {
+    n_kept: u32,
+    n_reduced: u32,
+    kept_div: [FastDiv; MAX_BLOCKS],
+    kept_stride: [u64; MAX_BLOCKS],
+    reduced_div: [FastDiv; MAX_BLOCKS],
+    reduced_stride: [u64; MAX_BLOCKS],
+    lanes: FastDiv,
+    num_groups: u32,
+    group_size: u32,
+}
+
+// SAFETY: plain-old-data with the same C layout as the kernel's parameter.
+unsafe impl DeviceRepr for ReduceLayout {}
+
+fn blocks_to_arrays(blocks: &[Block]) -> ([FastDiv; MAX_BLOCKS], [u64; MAX_BLOCKS]) {
+    let mut divs = [FastDiv::default(); MAX_BLOCKS];
+    let mut strides = [0u64; MAX_BLOCKS];
+    for (i, b) in blocks.iter().enumerate() {
+        divs[i] = FastDiv::new(b.size);
+        strides[i] = b.stride as u64;
+    }
+    (divs, strides)
+}
+
+impl ReduceLayout {
+    /// The plan's layout with group elements counted in units of `width` adjacent elements
+    /// (the innermost reduced block must be contiguous and a multiple of `width` long).
+    fn new(plan: &ReducePlan, width: usize) -> Self {
+        let (kept_div, kept_stride) = blocks_to_arrays(plan.kept_blocks());
+        let mut reduced = plan.reduced_blocks().to_vec();
+        if let Some(inner) = reduced.last_mut() {
+            inner.size /= width;
+            inner.stride *= width;
+        }
+        let (reduced_div, reduced_stride) = blocks_to_arrays(&reduced);
+        Self {
+            n_kept: plan.kept_blocks().len() as u32,
+            n_reduced: plan.reduced_blocks().len() as u32,
+            kept_div,
+            kept_stride,
+            reduced_div,
+            reduced_stride,
+            lanes: FastDiv::new(plan.lanes()),
+            num_groups: plan.num_groups() as u32,
+            group_size: (plan.group_size() / width) as u32,
+        }
+    }
+}
+
+/// How a kernel thread moves data (see `softmax.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Scalar,
+    /// 16-byte vectors of `n` elements along one group's contiguous run.
+    Vec(usize),
+    /// `LANE_WIDTH` adjacent groups' elements per access.
+    Lanes,
+}
+
+/// Groups per access in the "lanes" form (`_lanes_` kernels are built with W = 4).
+const LANE_WIDTH: usize = 4;
+/// Column groups up to this size fit in the scalar kernels' registers (16 values x 8 y
+/// threads) and run faster there than in the lanes form, whose four accumulators cost four
+/// block reductions (H200: dims [0] of [32, 1024, 4096], 0.39 ms scalar, 0.47 ms lanes).
+const SCALAR_COLUMN_CACHE: usize = CACHED_ELEMENTS * MAX_COLUMN_LY;
+
+/// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
+const THREADS: usize = 256;
+/// What one thread of the `_cached` kernels holds (`cached_units` in `softmax.cu`): single
+/// elements, or 16-byte vectors.
+const CACHED_ELEMENTS: usize = 16;
+/// Most y threads per column-like group, so a warp still reads whole sectors.
+const MAX_COLUMN_LY: usize = 8;
+const CACHED_VECTORS: usize = 4;
+/// Fewest elements a thread should stream per chunk before splitting groups pays.
+const MIN_ELEMS_PER_THREAD: usize = 64;
+
+/// `xs_start` is the element offset of `xs` in its allocation, for the alignment check of
+/// the 16-byte path.
+pub(super) fn launch_softmax<T: WithDType>(
+    dev: &CudaDevice,
+    plan: &ReducePlan,
+    log: bool,
+    xs: &CudaView<'_, T>,
+    xs_start: usize,
+    ys: &CudaSlice<T>,
+) -> Result<()> {
+    let (groups, lanes) = (plan.num_groups(), plan.lanes());
+    if groups == 0 || plan.group_size() == 0 {
+        return Ok(());
+    }
+    if groups >= 1 << 31 || plan.group_size() >= 1 << 31 {
+        bail!("softmax_dims: groups of 2^31 or more elements, or 2^31 or more groups, are not supported on CUDA");
+    }
+    // Row-like groups whose innermost run is contiguous, a whole number of 16-byte vectors
+    // long and 16-byte aligned move 16 bytes per access ("vec"); column-like groups whose
+    // lane count is a multiple of 4 move 4 adjacent groups' elements per access ("lanes").
+    let elem = std::mem::size_of::<T>();
+    let vec_width = 16 / elem;
+    let inner = plan
+        .reduced_blocks()
+        .last()
+        .copied()
+        .unwrap_or(Block { size: 1, stride: 1 });
+    let form = if lanes == 1
+        && inner.stride == 1
+        && inner.size.is_multiple_of(vec_width)
+        && (xs_start * elem).is_multiple_of(16)
+    {
+        Form::Vec(vec_width)
+    } else if lanes > 1
+        && lanes.is_multiple_of(LANE_WIDTH)
+        && xs_start.is_multiple_of(LANE_WIDTH)
+        && plan.group_size() > SCALAR_COLUMN_CACHE
+    {
+        Form::Lanes
+    } else {
+        Form::Scalar
+    };
+    // Units the kernel counts: elements of a group (j) and groups (x).
+    let (size, group_units) = match form {
+        Form::Vec(w) => (plan.group_size() / w, groups),
+        Form::Lanes => (plan.group_size(), groups / LANE_WIDTH),
+        Form::Scalar => (plan.group_size(), groups),
+    };
+    let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
+    let prefix = if log { "log_softmax" } else { "softmax" };
+    let variant = match form {
+        Form::Vec(_) => "_vec",
+        Form::Lanes => "_lanes",
+        Form::Scalar => "",
+    };
+    // Units per thread that fit in the `_cached` kernels' registers (the other kernels size
+    // their blocks alike).
+    let per_thread = if form == Form::Scalar {
+        CACHED_ELEMENTS
+    } else {
+        CACHED_VECTORS
+    };
+    let max_ly = if lanes > 1 { MAX_COLUMN_LY } else { THREADS };
+    let ly = size.div_ceil(per_thread).next_power_of_two().min(max_ly);
+    let lx = THREADS / ly;
+    if form != Form::Lanes && size <= per_thread * ly {
+        // One read: persistent blocks, as many as fit on the device, walk the columns.
+        // Rows: one resident wave that walks the columns, prefetching
+        // (FASTOPS_SOFTMAX_BLOCKS_PER_SM overrides its size). Column-like groups: a block per
+        // column, which measured faster there (H200, dims [0] of [32, 1024, 4096]: see
+        // BENCHMARKS.md).
+        let walk = if lanes == 1 { "rows" } else { "cols" };
+        let kernel = Kernel::load(
+            dev,
+            Module::Softmax,
+            &kernel_name::<T>(&format!("{prefix}_cached_{walk}{variant}")),
+        )?;
+        let columns = group_units.div_ceil(lx);
+        let blocks = if lanes == 1 {
+            let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;
+            let per_sm = tuning("FASTOPS_SOFTMAX_BLOCKS_PER_SM").map_or(resident, |b| b as usize);
+            columns.min(per_sm.max(1) * sm_count(dev)? as usize)
+        } else {
+            columns
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (lx as u32, ly as u32, 1),
+            shared_mem_bytes: (lx * ly * 8) as u32,
+        };
+        let columns = columns as u32;
+        // SAFETY: arguments match `softmax_cached`; it touches only groups < num_groups and
+        // elements < group_size, inside xs / ys by construction of the plan.
+        return unsafe {
+            kernel.launch(cfg, |args| {
+                args.arg(xs).arg(ys).arg(&layout).arg(&columns);
+            })
+        };
+    }
+    let blocks_x = group_units.div_ceil(lx);
+    let target_blocks = 4 * sm_count(dev)? as usize;
+    let mut chunks = 1;
+    if blocks_x < target_blocks {
+        chunks = target_blocks
+            .div_ceil(blocks_x)
+            .min((size / (ly * MIN_ELEMS_PER_THREAD)).max(1));
+    }
+    let chunk_len = size.div_ceil(chunks);
+    let chunks = size.div_ceil(chunk_len);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_x as u32, chunks as u32, 1),
+        block_dim: (lx as u32, ly as u32, 1),
+        shared_mem_bytes: (lx * ly * 8) as u32,
+    };
+    if form == Form::Lanes {
+        layout.num_groups = group_units as u32;
+    }
+    let chunk_len = chunk_len as u32;
+    // SAFETY (all launches): arguments match the kernels' signatures; every access is
+    // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
+    // of the plan for this shape.
+    if chunks == 1 {
+        let kernel = Kernel::load(
+            dev,
+            Module::Softmax,
+            &kernel_name::<T>(&format!("{prefix}_fused{variant}")),
+        )?;
+        return unsafe {
+            kernel.launch(cfg, |args| {
+                args.arg(xs).arg(ys).arg(&layout).arg(&chunk_len);
+            })
+        };
+    }
+    let partials = alloc_output::<f32>(dev, 2 * groups * chunks)?;
+    let partial = Kernel::load(
+        dev,
+        Module::Softmax,
+        &kernel_name::<T>(&format!("softmax_partial{variant}")),
+    )?;
+    unsafe {
+        partial.launch(cfg, |args| {
+            args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
+        })?;
+    }
+    let finish = Kernel::load(
+        dev,
+        Module::Softmax,
+        &kernel_name::<T>(&format!("{prefix}_finish{variant}")),
+    )?;
+    unsafe {
+        finish.launch(cfg, |args| {
+            args.arg(xs)
+                .arg(ys)
+                .arg(&partials)
+                .arg(&layout)
+                .arg(&chunk_len);
+        })
+    }
+}

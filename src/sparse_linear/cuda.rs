@@ -1,0 +1,487 @@
+use super::{Features, OP};
+use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, ErrorFlag, Kernel, Module};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::kernel_name;
+use candle_core::{bail, CudaDevice, Result, Storage, StorageRef, WithDType};
+
+/// Mirrors `SparseShape` in `src/cuda/sparse_linear.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SparseShape {
+    error_flag: u64,
+    batch: u64,
+    num_inputs: u64,
+    out_dim: u64,
+    index_stride: u64,
+    weight_stride: u64,
+    stripe_begin: u64,
+    stripe_end: u64,
+    max_active: u32,
+    perspectives: u32,
+}
+
+// SAFETY: plain data with the C layout the kernels expect.
+unsafe impl DeviceRepr for SparseShape {}
+
+const THREADS: u32 = 256;
+const WARPS_PER_BLOCK: u64 = (THREADS / 32) as u64;
+
+/// Reports (and clears) a bad index that a finished kernel on `dev` skipped.
+pub(super) fn take_pending_error(dev: &CudaDevice) -> Result<()> {
+    if let Some(flag) = ErrorFlag::of(dev)? {
+        if flag.take() {
+            bail!(
+                "{OP}: an earlier call on this device was given an index outside [-1, num_inputs); \
+                 it was skipped (nothing outside the weight was read). \
+                 Use check_sparse_indices to find it"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// How a kernel is launched: its variant, the width of its column stripes, and how many
+/// stripes one launch covers.
+struct StripePlan {
+    variant: &'static str,
+    stripes: usize,
+    stripes_per_launch: usize,
+    blocks_per_sm: u32,
+}
+
+impl StripePlan {
+    /// `elem` is the size of the matrix the stripes cut (weight forward, f32 gradient
+    /// backward), `group` its columns per 16-byte (vector) or 4-byte (scalar) access and
+    /// `loads` the 16-byte accesses per lane and row (1 or 2; the H200 sweeps in
+    /// BENCHMARKS.md favour 1 for f32, 2 for 2-byte weights). A launch covers as many stripes
+    /// as fit in the L2 with all their rows (an L2 prefetch of the next stripe, tried,
+    /// gained nothing measurable).
+    fn new(
+        dev: &CudaDevice,
+        f: &Features,
+        (vec, group, elem): (bool, usize, usize),
+        loads: u32,
+        blocks_per_sm: u32,
+    ) -> Result<Self> {
+        let loads = tuning("FASTOPS_SPARSE_LOADS").unwrap_or(loads).clamp(1, 2) as usize;
+        let (variant, stripe_cols) = match (vec, loads) {
+            (false, _) => ("scalar", 32 * 4),
+            (true, 1) => ("vec1", 32 * group),
+            (true, _) => ("vec2", 64 * group),
+        };
+        let stripes = f.out.div_ceil(stripe_cols);
+        let budget = match tuning("FASTOPS_SPARSE_L2_BUDGET_MB") {
+            Some(0) => usize::MAX,
+            Some(mb) => (mb as usize) << 20,
+            None => l2_bytes(dev)?,
+        };
+        let stripe_bytes = f.num_inputs.max(1).saturating_mul(stripe_cols * elem);
+        let stripes_per_launch = (budget / stripe_bytes).clamp(1, stripes.max(1));
+        Ok(Self {
+            variant,
+            stripes,
+            stripes_per_launch,
+            blocks_per_sm: tuning("FASTOPS_SPARSE_BLOCKS_PER_SM").unwrap_or(blocks_per_sm),
+        })
+    }
+
+    fn config(&self, dev: &CudaDevice, tasks: u64) -> Result<LaunchConfig> {
+        let wanted = tasks.div_ceil(WARPS_PER_BLOCK).max(1);
+        let cap = sm_count(dev)? as u64 * self.blocks_per_sm.max(1) as u64;
+        Ok(LaunchConfig {
+            grid_dim: (wanted.min(cap) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// `[begin, end)` of each launch's stripes.
+    fn launches(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.stripes).step_by(self.stripes_per_launch).map(|b| {
+            (
+                b as u64,
+                (b + self.stripes_per_launch).min(self.stripes) as u64,
+            )
+        })
+    }
+}
+
+/// Device views of a call's feature tensors, borrowed for one launch.
+struct FeatureViews<'a> {
+    locks: Vec<Option<StorageRef<'a>>>,
+    starts: Vec<usize>,
+}
+
+impl<'a> FeatureViews<'a> {
+    fn new(f: &'a Features) -> Self {
+        let mut tensors: Vec<Option<&candle_core::Tensor>> = Vec::with_capacity(5);
+        for p in 0..2 {
+            tensors.push(f.sides.get(p).map(|s| &s.indices));
+        }
+        for p in 0..2 {
+            tensors.push(f.sides.get(p).and_then(|s| s.values.as_ref()));
+        }
+        tensors.push(f.side_first.as_ref());
+        let mut locks = Vec::with_capacity(5);
+        let mut starts = Vec::with_capacity(5);
+        for t in tensors {
+            match t {
+                Some(t) => {
+                    let (storage, layout) = t.storage_and_layout();
+                    starts.push(layout.start_offset());
+                    locks.push(Some(storage));
+                }
+                None => {
+                    starts.push(0);
+                    locks.push(None);
+                }
+            }
+        }
+        Self { locks, starts }
+    }
+
+    fn view<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+        &self,
+        slot: usize,
+    ) -> Result<Option<CudaView<'_, T>>> {
+        match &self.locks[slot] {
+            None => Ok(None),
+            Some(storage) => match &**storage {
+                Storage::Cuda(s) => Ok(Some(s.as_cuda_slice::<T>()?.slice(self.starts[slot]..))),
+                _ => bail!("{OP}: internal error, a feature tensor is not on the GPU"),
+            },
+        }
+    }
+}
+
+/// The feature tensors as kernel arguments (absent ones as null pointers).
+struct FeatureArgs<'a> {
+    indices: [Option<CudaView<'a, i32>>; 2],
+    values: [Option<CudaView<'a, f32>>; 2],
+    side_first: Option<CudaView<'a, u8>>,
+    null: u64,
+}
+
+impl<'a> FeatureArgs<'a> {
+    fn new(views: &'a FeatureViews<'_>) -> Result<Self> {
+        Ok(Self {
+            indices: [views.view::<i32>(0)?, views.view::<i32>(1)?],
+            values: [views.view::<f32>(2)?, views.view::<f32>(3)?],
+            side_first: views.view::<u8>(4)?,
+            null: 0,
+        })
+    }
+
+    /// Pushes the arguments shared by both kernels: shape, idx0, idx1, val0, val1, stm.
+    fn push<'s>(&'s self, args: &mut LaunchArgs<'s>, shape: &'s SparseShape) {
+        args.arg(shape);
+        for view in &self.indices {
+            match view {
+                Some(v) => args.arg(v),
+                None => args.arg(&self.null),
+            };
+        }
+        for view in &self.values {
+            match view {
+                Some(v) => args.arg(v),
+                None => args.arg(&self.null),
+            };
+        }
+        match &self.side_first {
+            Some(v) => args.arg(v),
+            None => args.arg(&self.null),
+        };
+    }
+}
+
+fn shape(
+    dev: &CudaDevice,
+    f: &Features,
+    weight_stride: usize,
+    stripe_begin: u64,
+    stripe_end: u64,
+) -> Result<SparseShape> {
+    let error_flag = ErrorFlag::of(dev)?.map_or(0, |flag| flag.device_ptr());
+    Ok(SparseShape {
+        error_flag,
+        batch: f.batch as u64,
+        num_inputs: f.num_inputs as u64,
+        out_dim: f.out as u64,
+        index_stride: f.max_active as u64,
+        weight_stride: weight_stride as u64,
+        stripe_begin,
+        stripe_end,
+        max_active: u32::try_from(f.max_active)
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: max_active too large")))?,
+        perspectives: f.sides.len() as u32,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    f: &Features,
+    weight: &CudaView<'_, T>,
+    weight_start: usize,
+    weight_stride: usize,
+    bias: &CudaView<'_, T>,
+    bias_start: usize,
+    out: &CudaSlice<T>,
+) -> Result<()> {
+    let tasks = (f.batch * f.sides.len()) as u64;
+    if tasks == 0 || f.out == 0 {
+        return Ok(());
+    }
+    let elem = std::mem::size_of::<T>();
+    let width = 16 / elem;
+    let vec = [f.out, weight_stride, weight_start, bias_start]
+        .iter()
+        .all(|&n| n % width == 0);
+    // 72-96 registers per thread leave room for 2-3 blocks of 256 per SM; the sweeps
+    // measured 3 best for f32 (one load per lane), 2 for 2-byte weights (two loads).
+    let (loads, blocks) = if elem == 4 { (1, 3) } else { (2, 2) };
+    let plan = StripePlan::new(dev, f, (vec, width, elem), loads, blocks)?;
+    let name = kernel_name::<T>(&format!("sparse_linear_fwd_{}", plan.variant));
+    let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+    let cfg = plan.config(dev, tasks)?;
+    let views = FeatureViews::new(f);
+    let features = FeatureArgs::new(&views)?;
+    for (begin, end) in plan.launches() {
+        let shape = shape(dev, f, weight_stride, begin, end)?;
+        // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
+        // side_first, weight, bias, out)`. Index rows hold max_active entries for batch
+        // rows, weight rows are read only at indices checked against num_inputs, with
+        // weight_stride and out columns inside the views, and out holds batch x perspectives
+        // x out elements.
+        unsafe {
+            kernel.launch(cfg, |args| {
+                features.push(args, &shape);
+                args.arg(weight).arg(bias).arg(out);
+            })?;
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn backward<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    f: &Features,
+    grad_out: &CudaView<'_, T>,
+    grad_start: usize,
+    grad: &CudaSlice<f32>,
+) -> Result<()> {
+    let tasks = (f.batch * f.sides.len()) as u64;
+    if tasks == 0 || f.out == 0 {
+        return Ok(());
+    }
+    let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+    let plan = StripePlan::new(dev, f, (vec, 4, 4), 1, 4)?;
+    let name = kernel_name::<T>(&format!("sparse_linear_bwd_{}", plan.variant));
+    let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+    let cfg = plan.config(dev, tasks)?;
+    let views = FeatureViews::new(f);
+    let features = FeatureArgs::new(&views)?;
+    for (begin, end) in plan.launches() {
+        let shape = shape(dev, f, f.out, begin, end)?;
+        // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
+        // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements
+        // and grad (num_inputs + 1) x out, written only at rows checked against num_inputs.
+        unsafe {
+            kernel.launch(cfg, |args| {
+                features.push(args, &shape);
+                args.arg(grad_out).arg(grad);
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Entries per piece of a feature's sorted run in the deterministic backward: short enough
+/// to spread a frequent feature over many warps, long enough to amortise a piece.
+const PIECE: usize = 32;
+const NO_SCRATCH: u32 = u32::MAX;
+
+/// The deterministic backward's work list, built on the host: every active (feature, output
+/// gradient row, value) sorted by feature in batch order, cut into pieces.
+#[derive(Debug, Default)]
+struct SortedEntries {
+    rows: Vec<u32>,
+    values: Vec<f32>,
+    /// `[key, begin, end, scratch row or NO_SCRATCH]` per piece.
+    pieces: Vec<u32>,
+    /// `[key, first scratch row, scratch rows]` per feature with several pieces.
+    groups: Vec<u32>,
+    scratch_rows: usize,
+}
+
+fn sort_entries(dev: &CudaDevice, f: &Features, views: &FeatureViews) -> Result<SortedEntries> {
+    let (perspectives, a, n) = (f.sides.len(), f.max_active, f.num_inputs);
+    let grad_rows = f.batch * perspectives;
+    if grad_rows
+        .checked_mul(a + 1)
+        .is_none_or(|total| total >= u32::MAX as usize)
+    {
+        bail!("{OP}: deterministic backward supports fewer than 2^32 feature slots");
+    }
+    let mut indices = Vec::with_capacity(perspectives);
+    let mut values = Vec::with_capacity(perspectives);
+    for p in 0..perspectives {
+        let idx = views
+            .view::<i32>(p)?
+            .expect("one index tensor per perspective");
+        indices.push(dev.clone_dtoh(&idx)?);
+        values.push(match views.view::<f32>(2 + p)? {
+            Some(v) => Some(dev.clone_dtoh(&v)?),
+            None => None,
+        });
+    }
+    let side_first = match views.view::<u8>(4)? {
+        Some(v) => Some(dev.clone_dtoh(&v)?),
+        None => None,
+    };
+    // (position, perspective, row of the output gradient) for each task, in batch order.
+    let mut tasks = Vec::with_capacity(grad_rows);
+    for b in 0..f.batch {
+        let first = side_first.as_ref().is_none_or(|s| s[b] != 0);
+        for p in 0..perspectives {
+            let half = if perspectives == 2 && !first {
+                1 - p
+            } else {
+                p
+            };
+            tasks.push((b, p, (b * perspectives + half) as u32));
+        }
+    }
+    let active = |b: usize, p: usize| {
+        let row = &indices[p][b * a..(b + 1) * a];
+        row.iter()
+            .take_while(|&&i| i != -1)
+            .enumerate()
+            .filter(|(_, &i)| i >= 0 && (i as usize) < n)
+            .map(move |(k, &i)| (k, i as usize))
+    };
+    // Counting sort by feature; the bias is feature n, fed by every row with value 1.
+    let mut counts = vec![0usize; n + 2];
+    for &(b, p, _) in &tasks {
+        for (_, key) in active(b, p) {
+            counts[key + 1] += 1;
+        }
+    }
+    counts[n + 1] = grad_rows;
+    for key in 0..=n {
+        counts[key + 1] += counts[key];
+    }
+    let total = counts[n + 1];
+    let mut cursor = counts.clone();
+    let mut sorted = SortedEntries {
+        rows: vec![0; total],
+        values: vec![0.0; total],
+        ..Default::default()
+    };
+    for &(b, p, grad_row) in &tasks {
+        for (k, key) in active(b, p) {
+            let at = cursor[key];
+            cursor[key] += 1;
+            sorted.rows[at] = grad_row;
+            sorted.values[at] = values[p].as_ref().map_or(1.0, |v| v[b * a + k]);
+        }
+        let at = cursor[n];
+        cursor[n] += 1;
+        sorted.rows[at] = grad_row;
+        sorted.values[at] = 1.0;
+    }
+    for key in 0..=n {
+        let (begin, end) = (counts[key], counts[key + 1]);
+        let pieces = (end - begin).div_ceil(PIECE);
+        if pieces == 1 {
+            sorted
+                .pieces
+                .extend([key as u32, begin as u32, end as u32, NO_SCRATCH]);
+        } else if pieces > 1 {
+            let first = sorted.scratch_rows;
+            for piece in 0..pieces {
+                let b = begin + piece * PIECE;
+                let e = (b + PIECE).min(end);
+                let slot = (first + piece) as u32;
+                sorted.pieces.extend([key as u32, b as u32, e as u32, slot]);
+            }
+            sorted.scratch_rows += pieces;
+            sorted
+                .groups
+                .extend([key as u32, first as u32, pieces as u32]);
+        }
+    }
+    Ok(sorted)
+}
+
+/// The deterministic form of [`backward`] (see [`crate::set_deterministic`]).
+pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    f: &Features,
+    grad_out: &CudaView<'_, T>,
+    grad_start: usize,
+    grad: &CudaSlice<f32>,
+) -> Result<()> {
+    if f.batch * f.sides.len() == 0 || f.out == 0 {
+        return Ok(());
+    }
+    let views = FeatureViews::new(f);
+    let sorted = sort_entries(dev, f, &views)?;
+    let upload_u32 = |v: &[u32]| dev.clone_htod(if v.is_empty() { &[0u32][..] } else { v });
+    let rows = upload_u32(&sorted.rows)?;
+    let values = dev.clone_htod(if sorted.values.is_empty() {
+        &[0f32][..]
+    } else {
+        &sorted.values
+    })?;
+    let pieces = upload_u32(&sorted.pieces)?;
+    let groups = upload_u32(&sorted.groups)?;
+    let scratch = dev.alloc_zeros::<f32>((sorted.scratch_rows * f.out).max(1))?;
+    let (num_pieces, num_groups) = (
+        (sorted.pieces.len() / 4) as u64,
+        (sorted.groups.len() / 3) as u64,
+    );
+    let out_dim = f.out as u64;
+    let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+    let variant = if vec { "vec" } else { "scalar" };
+    let gather = Kernel::load(
+        dev,
+        Module::SparseLinear,
+        &kernel_name::<T>(&format!("sparse_linear_bwd_sorted_{variant}")),
+    )?;
+    let cfg = grid_stride_config(dev, num_pieces * 32, THREADS, 8, 0)?;
+    // SAFETY: the arguments match `sparse_linear_bwd_sorted_*(pieces, num_pieces, rows,
+    // values, grad_out, out_dim, grad, scratch)`; every piece's [begin, end) lies in rows and
+    // values, rows index grad_out's batch x perspectives rows, keys are at most num_inputs
+    // (grad has num_inputs + 1 rows) and scratch rows are below scratch_rows.
+    unsafe {
+        gather.launch(cfg, |args| {
+            args.arg(&pieces)
+                .arg(&num_pieces)
+                .arg(&rows)
+                .arg(&values)
+                .arg(grad_out)
+                .arg(&out_dim)
+                .arg(grad)
+                .arg(&scratch);
+        })?;
+    }
+    if num_groups > 0 {
+        let combine = Kernel::load(dev, Module::SparseLinear, "sparse_linear_bwd_combine")?;
+        let cfg = grid_stride_config(dev, num_groups * out_dim, THREADS, 8, 0)?;
+        // SAFETY: the arguments match `sparse_linear_bwd_combine(groups, num_groups,
+        // scratch, out_dim, grad)`; each group's scratch rows lie in scratch, its key in grad.
+        unsafe {
+            combine.launch(cfg, |args| {
+                args.arg(&groups)
+                    .arg(&num_groups)
+                    .arg(&scratch)
+                    .arg(&out_dim)
+                    .arg(grad);
+            })?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,582 @@
+//! The sparse feature transformer, the input layer of NNUE evaluation networks:
+//! `y[b, :] = bias + sum_k value[b, k] * weight[indices[b, k], :]` over a row's active features.
+//!
+//! `indices` is `[batch, max_active]` i32; a row's features end at its first `-1` and the slots
+//! after it are ignored, whatever they hold. The CUDA kernels (`src/cuda/sparse_linear.cu`) give
+//! one warp a (position, perspective) and a stripe of output columns held in registers; the
+//! persistent grid walks the stripes in order so the weight rows in use stay in L2. The backward
+//! pass adds into the dense weight gradient with vector atomics (skipping zero output gradients)
+//! and sums the bias gradient per block. The CPU path runs positions in parallel forward, and
+//! weight-row ranges in parallel backward (each thread owns its rows: no races, deterministic).
+
+use crate::cpu::{output_vec, spare, CpuFloat};
+use crate::dispatch::with_float_cpu;
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType,
+};
+use candle_nn::init::Init;
+use num_traits::{NumCast, Zero};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+const OP: &str = "sparse_linear";
+
+/// `bias + sum_k values[b, k] * weight[indices[b, k], :]` for each row `b` of `indices`: the NNUE
+/// feature transformer as one op.
+///
+/// * `indices`: `[batch, max_active]` i32. A row's active features end at its first `-1`; slots
+///   after it are ignored. An index below -1 or at least `num_inputs` is an error (see below).
+///   The same index may appear several times in a row (its weight row is added each time).
+/// * `values`: `None` for all ones, or `[batch, max_active]` f32.
+/// * `weight`: `[num_inputs, out]`, `bias`: `[out]`, both of one float dtype: f32, f16 or bf16
+///   (f64 on the CPU). Sums are accumulated in f32 (f64 for f64) and the result `[batch, out]`
+///   has the weight's dtype. `weight` may be a view with a row stride (a column `narrow`); other
+///   layouts are copied first.
+/// * Autograd: gradients flow to `weight` and `bias` (dense, shaped like them); `indices` and
+///   `values` get none.
+///
+/// Bad indices: on the CPU the call fails with an error naming the index. On CUDA the kernel
+/// never reads outside `weight`: a bad index contributes nothing and raises a device-written flag
+/// that the *next* `sparse_linear` call on that device (or [`check_sparse_indices`]) reports, so
+/// valid inputs never cost a host synchronisation. Call [`check_sparse_indices`] on a batch to
+/// validate it eagerly.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let dev = Device::Cpu;
+/// let weight = Tensor::new(&[[1f32, 2.], [10., 20.], [100., 200.]], &dev)?; // 3 inputs -> 2 outputs
+/// let bias = Tensor::new(&[0.5f32, 0.25], &dev)?;
+/// // Row 0: features 0 and 2. Row 1: feature 1 twice, then padding (the 7 after -1 is ignored).
+/// let indices = Tensor::new(&[[0i32, 2, -1], [1, 1, -1]], &dev)?;
+/// let ys = candle_fastops::sparse_linear(&indices, None, &weight, &bias)?;
+/// assert_eq!(ys.to_vec2::<f32>()?, [[101.5, 202.25], [20.5, 40.25]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn sparse_linear(
+    indices: &Tensor,
+    values: Option<&Tensor>,
+    weight: &Tensor,
+    bias: &Tensor,
+) -> Result<Tensor> {
+    let batch = Features::new(&[(indices, values)], None, weight, bias)?;
+    apply(batch, weight, bias)
+}
+
+/// Both perspectives of an NNUE position in one launch: `[batch, 2 * out]` whose row `b` is
+/// `[transform(white[b]), transform(black[b])]` when `stm[b]` is nonzero (white to move) and
+/// `[transform(black[b]), transform(white[b])]` otherwise, sharing `weight` and `bias`. This is
+/// what NNUE trainers feed the next layer, without a concat or a select copy.
+///
+/// `white` / `black` (and their optional values) follow [`sparse_linear`]'s rules and share a
+/// shape; `stm` is `[batch]` (or `[batch, 1]`) of any dtype, nonzero meaning white to move.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let dev = Device::Cpu;
+/// let weight = Tensor::new(&[[1f32], [10.], [100.]], &dev)?;
+/// let bias = Tensor::new(&[0f32], &dev)?;
+/// let white = Tensor::new(&[[0i32, 1], [2, -1]], &dev)?;
+/// let black = Tensor::new(&[[2i32, -1], [0, -1]], &dev)?;
+/// let stm = Tensor::new(&[1u8, 0], &dev)?; // white to move, then black to move
+/// let ys = candle_fastops::sparse_linear_pair(&white, &black, &stm, None, None, &weight, &bias)?;
+/// assert_eq!(ys.to_vec2::<f32>()?, [[11., 100.], [1., 100.]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn sparse_linear_pair(
+    white: &Tensor,
+    black: &Tensor,
+    stm: &Tensor,
+    white_values: Option<&Tensor>,
+    black_values: Option<&Tensor>,
+    weight: &Tensor,
+    bias: &Tensor,
+) -> Result<Tensor> {
+    let batch = Features::new(
+        &[(white, white_values), (black, black_values)],
+        Some(stm),
+        weight,
+        bias,
+    )?;
+    apply(batch, weight, bias)
+}
+
+/// Checks that every active index of `indices` (those before each row's first -1) lies in
+/// `0..num_inputs`, with an error naming the first bad one. On CUDA it also reports a bad index
+/// that an earlier [`sparse_linear`] call skipped. It reads the indices on the host: one
+/// synchronisation, meant for data-loading checks and tests rather than every step.
+pub fn check_sparse_indices(indices: &Tensor, num_inputs: usize) -> Result<()> {
+    check_indices_tensor(indices, "indices")?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = indices.device() {
+        cuda::take_pending_error(dev)?;
+    }
+    let (batch, max_active) = indices.dims2()?;
+    let host = indices.to_device(&Device::Cpu)?.contiguous()?;
+    let flat = host.flatten_all()?.to_vec1::<i32>()?;
+    validate_rows(&flat, batch, max_active, num_inputs)
+}
+
+/// The gradients [`sparse_linear`]'s autograd produces for an output gradient `grad_out`
+/// (`[batch, out]`): `(grad_weight [num_inputs, out], grad_bias [out])` in the accumulator dtype
+/// (f32; f64 for f64), for the bench and for training loops without autograd.
+#[doc(hidden)]
+pub fn sparse_linear_backward(
+    indices: &Tensor,
+    values: Option<&Tensor>,
+    grad_out: &Tensor,
+    num_inputs: usize,
+) -> Result<(Tensor, Tensor)> {
+    let out = grad_out.dim(1)?;
+    let shape_only = Tensor::zeros((num_inputs, 1), grad_out.dtype(), grad_out.device())?
+        .broadcast_as((num_inputs, out))?;
+    let bias_like = Tensor::zeros(1, grad_out.dtype(), grad_out.device())?.broadcast_as(out)?;
+    let batch = Features::new(&[(indices, values)], None, &shape_only, &bias_like)?;
+    let grads = grad_out.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
+        batch: Arc::new(batch),
+    })?;
+    Ok((grads.narrow(0, 0, num_inputs)?, grads.get(num_inputs)?))
+}
+
+/// An NNUE feature transformer layer: owns `weight` `[num_inputs, out]` and `bias` `[out]`,
+/// initialised like PyTorch's `nn.Linear` (uniform in `±sqrt(1 / num_inputs)`), created through a
+/// [`candle_nn::VarBuilder`] so any candle optimizer trains them.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let ft = candle_fastops::FeatureTransformer::new(40960, 256, vb.pp("ft"))?;
+/// let white = Tensor::new(&[[5i32, 700, 40000, -1]], &Device::Cpu)?;
+/// let black = Tensor::new(&[[9i32, 12, -1, -1]], &Device::Cpu)?;
+/// let stm = Tensor::new(&[1f32], &Device::Cpu)?;
+/// let hidden = ft.forward_pair(&white, &black, &stm, None, None)?; // [1, 512]
+/// assert_eq!(hidden.dims(), [1, 512]);
+/// assert_eq!(varmap.all_vars().len(), 2); // ft.weight and ft.bias, ready for an optimizer
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct FeatureTransformer {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl FeatureTransformer {
+    /// Creates (or loads) `weight` and `bias` under `vb`, in `vb`'s dtype and device.
+    pub fn new(num_inputs: usize, out: usize, vb: candle_nn::VarBuilder) -> Result<Self> {
+        let bound = (1.0 / num_inputs.max(1) as f64).sqrt();
+        let init = Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let weight = vb.get_with_hints((num_inputs, out), "weight", init)?;
+        let bias = vb.get_with_hints(out, "bias", init)?;
+        Ok(Self { weight, bias })
+    }
+
+    /// A layer over existing tensors (checked on first use).
+    pub fn from_tensors(weight: Tensor, bias: Tensor) -> Self {
+        Self { weight, bias }
+    }
+
+    /// `[num_inputs, out]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `[out]`.
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    /// [`sparse_linear`] with this layer's parameters.
+    pub fn forward(&self, indices: &Tensor, values: Option<&Tensor>) -> Result<Tensor> {
+        sparse_linear(indices, values, &self.weight, &self.bias)
+    }
+
+    /// [`sparse_linear_pair`] with this layer's parameters: `[batch, 2 * out]`, the side to
+    /// move's half first.
+    pub fn forward_pair(
+        &self,
+        white: &Tensor,
+        black: &Tensor,
+        stm: &Tensor,
+        white_values: Option<&Tensor>,
+        black_values: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        sparse_linear_pair(
+            white,
+            black,
+            stm,
+            white_values,
+            black_values,
+            &self.weight,
+            &self.bias,
+        )
+    }
+}
+
+fn apply(batch: Features, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    // A row-strided weight (a column narrow) is read in place; other layouts are copied.
+    let weight = if weight_row_stride(weight.layout()).is_some() {
+        weight.clone()
+    } else {
+        weight.contiguous()?
+    };
+    weight.apply_op2(
+        &bias.contiguous()?,
+        SparseLinear {
+            batch: Arc::new(batch),
+        },
+    )
+}
+
+/// The feature tensors of a call (one perspective, or two sharing the weights), contiguous and
+/// checked.
+#[derive(Debug)]
+struct Features {
+    sides: Vec<Side>,
+    /// `[batch]` u8, nonzero: perspective 0 fills the first half of the row.
+    side_first: Option<Tensor>,
+    batch: usize,
+    max_active: usize,
+    num_inputs: usize,
+    out: usize,
+}
+
+#[derive(Debug)]
+struct Side {
+    indices: Tensor,
+    values: Option<Tensor>,
+}
+
+fn check_indices_tensor(indices: &Tensor, what: &str) -> Result<()> {
+    if indices.dtype() != DType::I32 {
+        bail!(
+            "{OP}: {what} must be i32, got {:?} (convert with .to_dtype(DType::I32))",
+            indices.dtype()
+        );
+    }
+    if indices.rank() != 2 {
+        bail!(
+            "{OP}: {what} must be [batch, max_active], got shape {:?}",
+            indices.dims()
+        );
+    }
+    Ok(())
+}
+
+fn same_device(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    if !a.device().same_device(b.device()) {
+        bail!(
+            "{OP}: device mismatch, weight is on {:?} but {what} is on {:?}",
+            a.device().location(),
+            b.device().location()
+        );
+    }
+    Ok(())
+}
+
+impl Features {
+    fn new(
+        sides: &[(&Tensor, Option<&Tensor>)],
+        stm: Option<&Tensor>,
+        weight: &Tensor,
+        bias: &Tensor,
+    ) -> Result<Self> {
+        let (num_inputs, out) = match weight.dims() {
+            &[n, o] => (n, o),
+            dims => bail!("{OP}: weight must be [num_inputs, out], got shape {dims:?}"),
+        };
+        if bias.dims() != [out] {
+            bail!(
+                "{OP}: bias must be [{out}] to match weight {:?}, got shape {:?}",
+                weight.dims(),
+                bias.dims()
+            );
+        }
+        if !matches!(
+            weight.dtype(),
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64
+        ) {
+            bail!(
+                "{OP}: weight must be f32, f16 or bf16 (f64 on the CPU), got {:?}",
+                weight.dtype()
+            );
+        }
+        if weight.device().is_cuda() && weight.dtype() == DType::F64 {
+            bail!("{OP}: f64 weights are supported on the CPU only");
+        }
+        if bias.dtype() != weight.dtype() {
+            bail!(
+                "{OP}: dtype mismatch, weight is {:?} but bias is {:?}",
+                weight.dtype(),
+                bias.dtype()
+            );
+        }
+        same_device(weight, bias, "bias")?;
+        let names = [("white", "white_values"), ("black", "black_values")];
+        let names = if sides.len() == 1 {
+            &[("indices", "values")][..]
+        } else {
+            &names[..]
+        };
+        let (batch, max_active) = sides[0].0.dims2().unwrap_or((0, 0));
+        let mut checked = Vec::with_capacity(sides.len());
+        for (&(indices, values), &(name, value_name)) in sides.iter().zip(names) {
+            check_indices_tensor(indices, name)?;
+            if indices.dims() != [batch, max_active] {
+                bail!(
+                    "{OP}: {name} has shape {:?} but {} has {:?}",
+                    indices.dims(),
+                    names[0].0,
+                    [batch, max_active]
+                );
+            }
+            same_device(weight, indices, name)?;
+            let values = match values {
+                None => None,
+                Some(values) => {
+                    if values.dtype() != DType::F32 {
+                        bail!("{OP}: {value_name} must be f32, got {:?}", values.dtype());
+                    }
+                    if values.dims() != indices.dims() {
+                        bail!(
+                            "{OP}: {value_name} must have the shape of {name} {:?}, got {:?}",
+                            indices.dims(),
+                            values.dims()
+                        );
+                    }
+                    same_device(weight, values, value_name)?;
+                    Some(values.contiguous()?)
+                }
+            };
+            checked.push(Side {
+                indices: indices.contiguous()?,
+                values,
+            });
+        }
+        let side_first = match stm {
+            None => None,
+            Some(stm) => {
+                if stm.elem_count() != batch || !matches!(stm.rank(), 1 | 2) {
+                    bail!(
+                        "{OP}: stm must be [batch] or [batch, 1] with batch {batch}, got shape {:?}",
+                        stm.dims()
+                    );
+                }
+                same_device(weight, stm, "stm")?;
+                let stm = stm.flatten_all()?;
+                Some(stm.ne(&stm.zeros_like()?)?.contiguous()?)
+            }
+        };
+        Ok(Self {
+            sides: checked,
+            side_first,
+            batch,
+            max_active,
+            num_inputs,
+            out,
+        })
+    }
+
+    fn perspectives(&self) -> usize {
+        self.sides.len()
+    }
+}
+
+/// Checks the active indices of `batch` rows of `max_active` (each row up to its first -1).
+fn validate_rows(
+    indices: &[i32],
+    batch: usize,
+    max_active: usize,
+    num_inputs: usize,
+) -> Result<()> {
+    if max_active == 0 {
+        return Ok(());
+    }
+    let bad = indices
+        .par_chunks(max_active)
+        .take(batch)
+        .enumerate()
+        .find_map_first(|(row, slots)| {
+            slots
+                .iter()
+                .take_while(|&&i| i != -1)
+                .position(|&i| i < -1 || i as i64 >= num_inputs as i64)
+                .map(|k| (row, k, slots[k]))
+        });
+    match bad {
+        None => Ok(()),
+        Some((row, k, index)) => bail!(
+            "{OP}: index {index} at [{row}, {k}] is out of range (expected -1 or 0..{num_inputs})"
+        ),
+    }
+}
+
+/// The row stride of a weight whose rows are contiguous (a contiguous tensor, or a column
+/// `narrow` of one), `None` for other layouts.
+fn weight_row_stride(layout: &Layout) -> Option<usize> {
+    match (layout.dims(), layout.stride()) {
+        (&[_, cols], &[row_stride, col_stride]) if col_stride == 1 || cols <= 1 => {
+            Some(row_stride.max(cols))
+        }
+        _ => None,
+    }
+}
+
+struct SparseLinear {
+    batch: Arc<Features>,
+}
+
+impl CustomOp2 for SparseLinear {
+    fn name(&self) -> &'static str {
+        "fastops-sparse-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let f = &self.batch;
+        let locks = cpu::lock(f)?;
+        let sides = locks.sides()?;
+        for side in &sides.indices {
+            validate_rows(side, f.batch, f.max_active, f.num_inputs)?;
+        }
+        let stride = weight_row_stride(weight_layout).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: internal error, weight layout"))
+        })?;
+        let bias_start = bias_layout.start_offset();
+        let out = with_float_cpu!(OP, weight, |weight| {
+            let weight = &weight[weight_layout.start_offset()..];
+            let bias = &bias.as_slice()?[bias_start..bias_start + f.out];
+            WithDType::to_cpu_storage_owned(cpu::forward(f, &sides, weight, stride, bias))
+        });
+        Ok((out, Shape::from((f.batch, f.perspectives() * f.out))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        weight: &candle_core::CudaStorage,
+        weight_layout: &Layout,
+        bias: &candle_core::CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let f = &self.batch;
+        let dev = &weight.device;
+        cuda::take_pending_error(dev)?;
+        let stride = weight_row_stride(weight_layout).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: internal error, weight layout"))
+        })?;
+        let len = f.batch * f.perspectives() * f.out;
+        let out = crate::dispatch::with_float_cuda!(OP, &weight.slice, |w| {
+            let out = crate::cuda::alloc_output(dev, len)?;
+            let w_view = w.slice(weight_layout.start_offset()..);
+            let b = bias.as_cuda_slice()?;
+            let b_view = b.slice(bias_layout.start_offset()..bias_layout.start_offset() + f.out);
+            cuda::forward(
+                dev,
+                f,
+                &w_view,
+                weight_layout.start_offset(),
+                stride,
+                &b_view,
+                bias_layout.start_offset(),
+                &out,
+            )?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, Shape::from((f.batch, f.perspectives() * f.out))))
+    }
+
+    fn bwd(
+        &self,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let f = &self.batch;
+        // One buffer for both gradients: rows 0..num_inputs the weight's, the last row the bias's.
+        let grads = grad_res.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
+            batch: self.batch.clone(),
+        })?;
+        let grad_weight = grads.narrow(0, 0, f.num_inputs)?.to_dtype(weight.dtype())?;
+        let grad_bias = grads.get(f.num_inputs)?.to_dtype(weight.dtype())?;
+        Ok((Some(grad_weight), Some(grad_bias)))
+    }
+}
+
+/// The backward pass of [`SparseLinear`] from the gradient of its output: a
+/// `[num_inputs + 1, out]` tensor (f32; f64 for f64) holding the weight gradient and, in its last
+/// row, the bias gradient.
+struct SparseLinearGrad {
+    batch: Arc<Features>,
+}
+
+impl CustomOp1 for SparseLinearGrad {
+    fn name(&self) -> &'static str {
+        "fastops-sparse-linear-grad"
+    }
+
+    fn cpu_fwd(&self, grad: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let f = &self.batch;
+        let locks = cpu::lock(f)?;
+        let sides = locks.sides()?;
+        let start = layout.start_offset();
+        let len = layout.shape().elem_count();
+        let out = with_float_cpu!(OP, grad, |grad| {
+            let grad = &grad[start..start + len];
+            accumulator_storage(cpu::backward(f, &sides, grad))
+        });
+        Ok((out, Shape::from((f.num_inputs + 1, f.out))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        grad: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let f = &self.batch;
+        let dev = &grad.device;
+        let start = layout.start_offset();
+        let len = layout.shape().elem_count();
+        let out = dev.alloc_zeros::<f32>((f.num_inputs + 1) * f.out)?;
+        let deterministic = crate::deterministic();
+        crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
+            let g = g.slice(start..start + len);
+            if deterministic {
+                cuda::backward_sorted(dev, f, &g, start, &out)?
+            } else {
+                cuda::backward(dev, f, &g, start, &out)?
+            }
+        });
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((f.num_inputs + 1, f.out)),
+        ))
+    }
+}
+
+/// Wraps a gradient accumulated in a float's accumulator type (f32 or f64) as CPU storage.
+fn accumulator_storage<A: 'static>(grad: Vec<A>) -> CpuStorage {
+    let any: Box<dyn std::any::Any> = Box::new(grad);
+    match any.downcast::<Vec<f64>>() {
+        Ok(v) => CpuStorage::F64(*v),
+        Err(any) => match any.downcast::<Vec<f32>>() {
+            Ok(v) => CpuStorage::F32(*v),
+            Err(_) => unreachable!("accumulators are f32 or f64"),
+        },
+    }
+}
+
+mod cpu;
+
+#[cfg(feature = "cuda")]
+mod cuda;
