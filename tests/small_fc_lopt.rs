@@ -242,7 +242,7 @@ fn bad_variables_and_gradients_are_errors_without_partial_updates() -> Result<()
             .step(&grads)
             .expect_err("wrong gradient shape")
             .to_string();
-        assert!(e.contains("gradient of variable 1 has shape [7]"), "{e}");
+        assert!(e.contains("gradient of variable `1` has shape [7]"), "{e}");
         assert_eq!(
             to_f64(a.as_tensor())?,
             before.0,
@@ -548,5 +548,168 @@ fn many_tensors_of_every_rank_match_the_reference() -> Result<()> {
         }
         Ok(())
     });
+    Ok(())
+}
+
+/// Three named variables (two of one shape, so a positional mix-up would load silently) and a
+/// gradient per variable for `step`, all seeded by `salt`.
+fn named_vars(dev: &Device, names: &[(&str, &[usize])], salt: u64) -> Result<Vec<(String, Var)>> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let t = rand_tensor(shape, 1.0, DType::F32, dev, salt + i as u64)?;
+            Ok((name.to_string(), Var::from_tensor(&t)?))
+        })
+        .collect()
+}
+
+fn grads_for(vars: &[(String, Var)], salt: u64) -> Result<GradStore> {
+    let mut grads = GradStore::default();
+    for (i, (_, v)) in vars.iter().enumerate() {
+        let g = rand_tensor(v.dims(), 0.5, DType::F32, v.device(), salt * 101 + i as u64)?;
+        grads.insert(v.as_tensor(), g);
+    }
+    Ok(grads)
+}
+
+fn values(vars: &[(String, Var)]) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut out: Vec<(String, Vec<f32>)> = vars
+        .iter()
+        .map(|(n, v)| Ok((n.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .collect::<Result<_>>()?;
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+const NAMED: [(&str, &[usize]); 4] = [
+    ("enc.weight", &[6, 5]),
+    ("dec.weight", &[6, 5]),
+    ("enc.bias", &[5]),
+    ("scale", &[]),
+];
+
+#[test]
+fn named_state_resumes_in_any_order() -> Result<()> {
+    let path = std::env::temp_dir().join(format!(
+        "fastops-lopt-named-{}.safetensors",
+        std::process::id()
+    ));
+    for_each_device(|dev| {
+        let mlp = MlpWeights::from_safetensors(MLP, dev)?;
+        let params = ParamsSmallFcLOpt::new(mlp);
+        // The uninterrupted run: two steps, save, snapshot, a third step.
+        let vars = named_vars(dev, &NAMED, 10)?;
+        let mut opt = SmallFcLOpt::new_named(vars.clone(), params.clone())?;
+        opt.step(&grads_for(&vars, 1)?)?;
+        opt.step(&grads_for(&vars, 2)?)?;
+        opt.save_state(&path)?;
+        let snapshot = values(&vars)?;
+        opt.step(&grads_for(&vars, 3)?)?;
+        let expected = values(&vars)?;
+
+        // The resumed run lists the variables in another order (as a VarMap in another process
+        // may): each variable must get its own state back.
+        for (name, v) in &vars {
+            let saved = &snapshot.iter().find(|(n, _)| n == name).unwrap().1;
+            v.set(&Tensor::from_slice(saved, v.dims(), dev)?)?;
+        }
+        let mut reordered: Vec<(String, Var)> = vars.iter().rev().cloned().collect();
+        reordered.swap(0, 1);
+        let mut resumed = SmallFcLOpt::new_named(reordered.clone(), params.clone())?;
+        resumed.load_state(&path)?;
+        assert_eq!(resumed.steps_taken(), 2);
+        resumed.step(&grads_for(&vars, 3)?)?;
+        let got = values(&vars)?;
+        for ((name, want), (_, have)) in expected.iter().zip(&got) {
+            if dev.is_cpu() {
+                let same = want
+                    .iter()
+                    .zip(have)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name}: resumed step differs from the uninterrupted run"
+                );
+            } else {
+                let w: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+                let h: Vec<f64> = have.iter().map(|&x| x as f64).collect();
+                assert_close(&h, &w, 1e-6, name);
+            }
+        }
+
+        // The same through a VarMap (name order).
+        let varmap = candle_nn::VarMap::new();
+        for (name, v) in &vars {
+            varmap
+                .data()
+                .lock()
+                .unwrap()
+                .insert(name.clone(), v.clone());
+        }
+        let mut from_map = SmallFcLOpt::from_varmap(&varmap, params.clone())?;
+        let mut names: Vec<&str> = from_map.var_names().collect();
+        names.sort_unstable();
+        assert_eq!(names, ["dec.weight", "enc.bias", "enc.weight", "scale"]);
+        from_map.load_state(&path)?;
+        assert_eq!(from_map.steps_taken(), 2);
+        Ok(())
+    });
+    std::fs::remove_file(&path).ok();
+    Ok(())
+}
+
+#[test]
+fn mismatched_state_files_are_errors_that_change_nothing() -> Result<()> {
+    let path = std::env::temp_dir().join(format!(
+        "fastops-lopt-mismatch-{}.safetensors",
+        std::process::id()
+    ));
+    for_each_device(|dev| {
+        let params = ParamsSmallFcLOpt::new(MlpWeights::from_safetensors(MLP, dev)?);
+        let vars = named_vars(dev, &NAMED, 20)?;
+        let mut opt = SmallFcLOpt::new_named(vars.clone(), params.clone())?;
+        opt.step(&grads_for(&vars, 5)?)?;
+        opt.save_state(&path)?;
+
+        // Each failing load must leave the optimizer as it was: its next step equals a fresh
+        // optimizer's.
+        let check = |vars: Vec<(String, Var)>, needle: &str| -> Result<()> {
+            let mut target = SmallFcLOpt::new_named(vars.clone(), params.clone())?;
+            let e = target.load_state(&path).expect_err(needle).to_string();
+            assert!(e.contains(needle), "{e:?} does not mention {needle:?}");
+            assert_eq!(target.steps_taken(), 0);
+            let twins: Vec<(String, Var)> = vars
+                .iter()
+                .map(|(n, v)| Ok((n.clone(), Var::from_tensor(&v.as_tensor().copy()?)?)))
+                .collect::<Result<_>>()?;
+            let mut fresh = SmallFcLOpt::new_named(twins.clone(), params.clone())?;
+            target.step(&grads_for(&vars, 6)?)?;
+            fresh.step(&grads_for(&twins, 6)?)?;
+            assert_eq!(values(&vars)?, values(&twins)?, "{needle}: state changed");
+            Ok(())
+        };
+        // A variable the file lacks.
+        let mut more = named_vars(dev, &NAMED, 30)?;
+        more.push(("extra".into(), Var::zeros(3, DType::F32, dev)?));
+        check(more, "no state for variable `extra`")?;
+        // A variable the optimizer lacks.
+        check(named_vars(dev, &NAMED[..3], 40)?, "holds variable `scale`")?;
+        // A variable of another shape under a saved name.
+        let mut reshaped = named_vars(dev, &NAMED, 50)?;
+        reshaped[1].1 = Var::from_tensor(&rand_tensor(&[5, 6], 1.0, DType::F32, dev, 51)?)?;
+        check(reshaped, "variable `dec.weight` (shape [5, 6])")?;
+        // Duplicate names are refused up front.
+        let mut twice = named_vars(dev, &NAMED, 60)?;
+        twice[1].0 = twice[0].0.clone();
+        let e = SmallFcLOpt::new_named(twice, params.clone()).expect_err("duplicate names");
+        assert!(
+            e.to_string()
+                .contains("two variables are named `enc.weight`"),
+            "{e}"
+        );
+        Ok(())
+    });
+    std::fs::remove_file(&path).ok();
     Ok(())
 }

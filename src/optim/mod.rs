@@ -11,7 +11,8 @@
 //! let varmap = VarMap::new();
 //! // ... build a model from VarBuilder::from_varmap(&varmap, DType::F32, &dev) ...
 //! let mlp = MlpWeights::from_safetensors("small_fc_lopt.safetensors", &dev)?;
-//! let mut opt = SmallFcLOpt::new(varmap.all_vars(), ParamsSmallFcLOpt::new(mlp))?;
+//! // State keyed by the VarMap's names: it reloads onto the right variables in any process.
+//! let mut opt = SmallFcLOpt::from_varmap(&varmap, ParamsSmallFcLOpt::new(mlp))?;
 //! // each training step: opt.backward_step(&loss)?;
 //! opt.save_state("lopt_state.safetensors")?; // resume later with opt.load_state(...)
 //! # Ok::<(), candle_core::Error>(())

@@ -1,16 +1,16 @@
 //! small_fc_lopt: an MLP learned optimizer (`AdafacMLPLOpt`). Per element it builds 39 features
 //! from the gradient, the parameter, three momenta, an rms accumulator and Adafactor row/column
 //! factors, normalises them per tensor, runs a 39-32-32-2 MLP and steps by
-//! `direction * exp(exp_mult * magnitude) * step_mult`. The algorithm follows
-//! `../shared/specs/small_fc_lopt.md` (PyLO's naive version); tests replay its golden vectors.
+//! `direction * exp(exp_mult * magnitude) * step_mult`. The algorithm is PyLO's naive version;
+//! tests replay golden vectors made with it (`tests/fixtures/small_fc_lopt_golden.safetensors`).
 //!
 //! CPU, per tensor: for matrices the small per-row / per-column Adafactor tensors with candle
-//! ops, then two fused per-element passes (`fused.rs`, rayon) — the first updates the momenta /
+//! ops, then two fused per-element passes (`cpu.rs`, rayon) — the first updates the momenta /
 //! rms (/ vector Adafactor) accumulators and sums the squared features, the second rebuilds the
 //! features, runs the MLP and writes the parameter — so the `[39, n]` features never exist in
 //! memory. CUDA: the same passes, plus the Adafactor reductions, as four or five kernels over
 //! all tensors at once, on state kept in flat device buffers and updated in place
-//! (`multi_tensor.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
+//! (`cuda.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
 //! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
 mod cpu;
@@ -43,14 +43,16 @@ const MOMENTUM_BASE: [f64; 3] = [0.9, 0.99, 0.999];
 const RMS_BASE: f64 = 0.999;
 const ADAFACTOR_BASE: [f64; 3] = [0.9, 0.99, 0.999];
 
-/// small_fc_lopt as a [`candle_nn::Optimizer`]: `SmallFcLOpt::new(vars, params)`, then
-/// `step(&grads)` or `backward_step(&loss)` like candle's `AdamW`.
+/// small_fc_lopt as a [`candle_nn::Optimizer`]: [`SmallFcLOpt::from_varmap`] (or
+/// [`SmallFcLOpt::new_named`], or `SmallFcLOpt::new(vars, params)` with positions as names),
+/// then `step(&grads)` or `backward_step(&loss)` like candle's `AdamW`.
 ///
 /// * Variables: any rank (0-D included) and float dtype (the optimizer state is f32), all on one
 ///   device (CPU or CUDA). Variables without a gradient are skipped, as candle's optimizers do.
 /// * State: 3 momenta and an rms accumulator per element, plus Adafactor factors (3 per row and
 ///   3 per column of a matrix, 3 per element of a vector); [`SmallFcLOpt::save_state`] /
-///   [`SmallFcLOpt::load_state`] round-trip it with the step counter, so a run resumes exactly.
+///   [`SmallFcLOpt::load_state`] round-trip it with the step counter, keyed by variable name, so
+///   a run resumes exactly whatever the order of the variables.
 /// * Every gradient is checked (device, shape, dtype) before any variable is updated.
 ///
 /// ```
@@ -83,52 +85,17 @@ pub struct SmallFcLOpt {
 impl candle_nn::Optimizer for SmallFcLOpt {
     type Config = ParamsSmallFcLOpt;
 
+    /// The variables keyed by their position in `vars` (`"0"`, `"1"`, ...): a state saved by
+    /// [`SmallFcLOpt::save_state`] reloads only onto the same list in the same order. Prefer
+    /// [`SmallFcLOpt::from_varmap`] or [`SmallFcLOpt::new_named`], whose state is keyed by name
+    /// (`VarMap::all_vars` iterates a `HashMap`, so its order changes between processes).
     fn new(vars: Vec<Var>, params: ParamsSmallFcLOpt) -> Result<Self> {
-        let device = match vars.first() {
-            Some(v) => v.device().clone(),
-            None => params.mlp.device().clone(),
-        };
-        for (i, var) in vars.iter().enumerate() {
-            if !var.dtype().is_float() {
-                bail!(
-                    "{OPT}: variable {i} (shape {:?}) is {:?}, not a float dtype",
-                    var.dims(),
-                    var.dtype()
-                );
-            }
-            if !var.device().same_device(&device) {
-                bail!(
-                    "{OPT}: variables on mixed devices: variable 0 is on {:?}, variable {i} on {:?}",
-                    device.location(),
-                    var.device().location()
-                );
-            }
-        }
-        let params = ParamsSmallFcLOpt {
-            mlp: params.mlp.to_device(&device)?,
-            ..params
-        };
-        #[cfg(feature = "cuda")]
-        if device.is_cuda() && params.fused {
-            let (flat, states) = TensorState::new_flat(vars, &device)?;
-            return Ok(Self {
-                params,
-                states,
-                steps: 0,
-                flat: Some(flat),
-            });
-        }
-        let states = vars
+        let named = vars
             .into_iter()
-            .map(TensorState::new)
-            .collect::<Result<_>>()?;
-        Ok(Self {
-            params,
-            states,
-            steps: 0,
-            #[cfg(feature = "cuda")]
-            flat: None,
-        })
+            .enumerate()
+            .map(|(i, var)| (i.to_string(), var))
+            .collect();
+        Self::new_named(named, params)
     }
 
     fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<()> {
@@ -140,21 +107,24 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             };
             if grad.dims() != state.var.dims() {
                 bail!(
-                    "{OPT}: gradient of variable {i} has shape {:?}, the variable {:?}",
+                    "{OPT}: gradient of variable `{}` has shape {:?}, the variable {:?}",
+                    state.name,
                     grad.dims(),
                     state.var.dims()
                 );
             }
             if !grad.device().same_device(state.var.device()) {
                 bail!(
-                    "{OPT}: gradient of variable {i} is on {:?}, the variable on {:?}",
+                    "{OPT}: gradient of variable `{}` is on {:?}, the variable on {:?}",
+                    state.name,
                     grad.device().location(),
                     state.var.device().location()
                 );
             }
             if !grad.dtype().is_float() {
                 bail!(
-                    "{OPT}: gradient of variable {i} is {:?}, not a float dtype",
+                    "{OPT}: gradient of variable `{}` is {:?}, not a float dtype",
+                    state.name,
                     grad.dtype()
                 );
             }
@@ -212,6 +182,103 @@ impl candle_nn::Optimizer for SmallFcLOpt {
 }
 
 impl SmallFcLOpt {
+    /// An optimizer over named variables. The names key the state in
+    /// [`SmallFcLOpt::save_state`] / [`SmallFcLOpt::load_state`], so a resumed run may list the
+    /// variables in any order. Names must be unique; every variable is a float tensor and all
+    /// are on one device.
+    pub fn new_named(vars: Vec<(String, Var)>, params: ParamsSmallFcLOpt) -> Result<Self> {
+        let device = match vars.first() {
+            Some((_, v)) => v.device().clone(),
+            None => params.mlp.device().clone(),
+        };
+        let mut seen = std::collections::HashSet::with_capacity(vars.len());
+        for (name, var) in &vars {
+            if !seen.insert(name.as_str()) {
+                bail!("{OPT}: two variables are named `{name}`; names key the saved state");
+            }
+            if !var.dtype().is_float() {
+                bail!(
+                    "{OPT}: variable `{name}` (shape {:?}) is {:?}, not a float dtype",
+                    var.dims(),
+                    var.dtype()
+                );
+            }
+            if !var.device().same_device(&device) {
+                bail!(
+                    "{OPT}: variables on mixed devices: `{}` is on {:?}, `{name}` on {:?}",
+                    vars[0].0,
+                    device.location(),
+                    var.device().location()
+                );
+            }
+        }
+        let params = ParamsSmallFcLOpt {
+            mlp: params.mlp.to_device(&device)?,
+            ..params
+        };
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() && params.fused {
+            let (flat, states) = TensorState::new_flat(vars, &device)?;
+            return Ok(Self {
+                params,
+                states,
+                steps: 0,
+                flat: Some(flat),
+            });
+        }
+        let states = vars
+            .into_iter()
+            .map(|(name, var)| TensorState::new(name, var))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            params,
+            states,
+            steps: 0,
+            #[cfg(feature = "cuda")]
+            flat: None,
+        })
+    }
+
+    /// An optimizer over every variable of `varmap`, keyed by its names (taken in name order).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+    /// use candle_nn::{Optimizer, VarBuilder, VarMap};
+    /// let dev = Device::Cpu;
+    /// let mlp = MlpWeights::from_safetensors(
+    ///     concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/small_fc_lopt_mlp.safetensors"),
+    ///     &dev,
+    /// )?;
+    /// let varmap = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    /// let layer = candle_nn::linear(4, 3, vb.pp("layer"))?;
+    /// let mut opt = SmallFcLOpt::from_varmap(&varmap, ParamsSmallFcLOpt::new(mlp))?;
+    /// let xs = candle_core::Tensor::randn(0f32, 1., (8, 4), &dev)?;
+    /// opt.backward_step(&candle_nn::Module::forward(&layer, &xs)?.sqr()?.sum_all()?)?;
+    /// let path = std::env::temp_dir().join("fastops_doc_lopt_state.safetensors");
+    /// opt.save_state(&path)?; // keys "layer.weight.momentum.0", ...
+    /// let mut resumed = SmallFcLOpt::from_varmap(&varmap, opt.params().clone())?;
+    /// resumed.load_state(&path)?;
+    /// assert_eq!(resumed.steps_taken(), 1);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn from_varmap(varmap: &candle_nn::VarMap, params: ParamsSmallFcLOpt) -> Result<Self> {
+        let mut vars: Vec<(String, Var)> = {
+            let data = varmap.data().lock().map_err(|_| {
+                candle_core::Error::Msg(format!("{OPT}: the VarMap's lock is poisoned"))
+            })?;
+            data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        Self::new_named(vars, params)
+    }
+
+    /// The variables' names, in the optimizer's order (positions `"0"`, `"1"`, ... for
+    /// [`candle_nn::Optimizer::new`]).
+    pub fn var_names(&self) -> impl Iterator<Item = &str> {
+        self.states.iter().map(|s| s.name.as_str())
+    }
     /// Steps taken so far (the `t` of the time features).
     pub fn steps_taken(&self) -> u64 {
         self.steps

@@ -26,6 +26,8 @@ pub(super) enum Factors {
 
 #[derive(Debug, Clone)]
 pub(super) struct TensorState {
+    /// The key of this state in saved files.
+    pub(super) name: String,
     pub(super) var: Var,
     /// The shape the optimizer works in: the variable's, with rank 0 as `[1]`.
     pub(super) shape: Vec<usize>,
@@ -42,7 +44,7 @@ pub(super) fn factored_axes(shape: &[usize]) -> (usize, usize) {
 }
 
 impl TensorState {
-    pub(super) fn new(var: Var) -> Result<Self> {
+    pub(super) fn new(name: String, var: Var) -> Result<Self> {
         let shape = if var.rank() == 0 {
             vec![1]
         } else {
@@ -76,6 +78,7 @@ impl TensorState {
             rms: zeros(&shape)?,
             factors,
             shape,
+            name,
             var,
         })
     }
@@ -84,10 +87,13 @@ impl TensorState {
 #[cfg(feature = "cuda")]
 impl TensorState {
     /// The states of `vars` as views into one set of flat device buffers.
-    pub(super) fn new_flat(vars: Vec<Var>, dev: &Device) -> Result<(cuda::DeviceState, Vec<Self>)> {
+    pub(super) fn new_flat(
+        vars: Vec<(String, Var)>,
+        dev: &Device,
+    ) -> Result<(cuda::DeviceState, Vec<Self>)> {
         let shapes: Vec<_> = vars
             .iter()
-            .map(|v| {
+            .map(|(_, v)| {
                 let shape = if v.rank() == 0 {
                     vec![1]
                 } else {
@@ -99,7 +105,7 @@ impl TensorState {
             .collect();
         let flat = cuda::DeviceState::new(&shapes, dev)?;
         let mut states = Vec::with_capacity(vars.len());
-        for ((var, (shape, axes)), slots) in vars.into_iter().zip(shapes).zip(&flat.slots) {
+        for (((name, var), (shape, axes)), slots) in vars.into_iter().zip(shapes).zip(&flat.slots) {
             let n = slots.n;
             let plane = |buf: &Tensor, at: usize| buf.narrow(0, at, n)?.reshape(shape.as_slice());
             let factors = match (&slots.kind, axes) {
@@ -142,6 +148,7 @@ impl TensorState {
                 rms: plane(&flat.elem, e + 3 * n)?,
                 factors,
                 shape,
+                name,
                 var,
             });
         }
@@ -176,91 +183,54 @@ pub(super) fn unstack(t: &Tensor) -> Result<[Tensor; 3]> {
 }
 
 impl SmallFcLOpt {
-    /// Writes the optimizer state (step counter, and every accumulator of every variable, keyed
-    /// by the variable's position in the list given to `new`) to a safetensors file.
+    /// Writes the optimizer state to a safetensors file: the step counter (`steps`) and every
+    /// accumulator of every variable, keyed by the variable's name (`{name}.momentum.{k}`,
+    /// `{name}.rms`, `{name}.row.{k}` / `{name}.col.{k}` for matrices, `{name}.full.{k}`
+    /// otherwise; names are positions for [`candle_nn::Optimizer::new`]).
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let mut map: HashMap<String, Tensor> = HashMap::new();
         map.insert(
             "steps".into(),
             Tensor::new(&[self.steps as i64], &Device::Cpu)?,
         );
-        for (i, s) in self.states.iter().enumerate() {
-            for (k, m) in s.momentum.iter().enumerate() {
-                map.insert(format!("{i}.momentum.{k}"), m.clone());
-            }
-            map.insert(format!("{i}.rms"), s.rms.clone());
-            match &s.factors {
-                Factors::Matrix { row, col, .. } => {
-                    for (k, (r, c)) in unstack(row)?.iter().zip(&unstack(col)?).enumerate() {
-                        map.insert(format!("{i}.row.{k}"), r.clone());
-                        map.insert(format!("{i}.col.{k}"), c.clone());
-                    }
-                }
-                Factors::Vector { full } => {
-                    for (k, f) in full.iter().enumerate() {
-                        map.insert(format!("{i}.full.{k}"), f.clone());
-                    }
-                }
+        for s in &self.states {
+            for (key, tensor) in s.entries()? {
+                map.insert(key, tensor);
             }
         }
         candle_core::safetensors::save(&map, path)
     }
 
-    /// Restores a state written by [`SmallFcLOpt::save_state`] for the same list of variables
-    /// (same count and shapes). Nothing changes when the file does not match.
+    /// Restores a state written by [`SmallFcLOpt::save_state`] onto the variables of the same
+    /// names, whatever their order. The file must hold exactly this optimizer's variable names
+    /// with the same shapes: otherwise the error names the first mismatch (a missing or extra
+    /// variable, or a tensor of another shape) and nothing changes.
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let dev = self.params.mlp.device().clone();
         let map = candle_core::safetensors::load(path, &dev)?;
-        let take = |name: &str, like: &Tensor| -> Result<Tensor> {
-            let Some(t) = map.get(name) else {
-                bail!("{OPT}: state file has no tensor `{name}`");
-            };
-            if t.dims() != like.dims() || t.dtype() != DType::F32 {
-                bail!(
-                    "{OPT}: state tensor `{name}` is {:?} {:?}, expected {:?} f32",
-                    t.dims(),
-                    t.dtype(),
-                    like.dims()
-                );
-            }
-            Ok(t.clone())
-        };
         let steps = match map.get("steps") {
-            Some(t) => t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?[0],
+            Some(t) if t.elem_count() == 1 => {
+                t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?[0]
+            }
+            Some(t) => bail!(
+                "{OPT}: state file's `steps` has shape {:?}, expected one element",
+                t.dims()
+            ),
             None => bail!("{OPT}: state file has no `steps`"),
         };
-        let expected = self.states.len();
-        let stored = map.keys().filter(|k| k.ends_with(".rms")).count();
-        if stored != expected {
-            bail!("{OPT}: state file holds {stored} variables, this optimizer {expected}");
+        if steps < 0 {
+            bail!("{OPT}: state file's `steps` is negative ({steps})");
         }
-        let mut restored = Vec::with_capacity(expected);
-        for (i, s) in self.states.iter().enumerate() {
-            let three = |what: &str, like: &[Tensor; 3]| -> Result<[Tensor; 3]> {
-                Ok([
-                    take(&format!("{i}.{what}.0"), &like[0])?,
-                    take(&format!("{i}.{what}.1"), &like[1])?,
-                    take(&format!("{i}.{what}.2"), &like[2])?,
-                ])
-            };
-            let factors = match &s.factors {
-                Factors::Matrix { d0, d1, row, col } => Factors::Matrix {
-                    d0: *d0,
-                    d1: *d1,
-                    row: Tensor::stack(&three("row", &unstack(row)?)?, 0)?,
-                    col: Tensor::stack(&three("col", &unstack(col)?)?, 0)?,
-                },
-                Factors::Vector { full } => Factors::Vector {
-                    full: three("full", full)?,
-                },
-            };
-            restored.push(TensorState {
-                var: s.var.clone(),
-                shape: s.shape.clone(),
-                momentum: three("momentum", &s.momentum)?,
-                rms: take(&format!("{i}.rms"), &s.rms)?,
-                factors,
-            });
+        let mut stored: Vec<&str> = map.keys().filter_map(|k| k.strip_suffix(".rms")).collect();
+        stored.sort_unstable();
+        let ours: std::collections::HashSet<&str> =
+            self.states.iter().map(|s| s.name.as_str()).collect();
+        if let Some(extra) = stored.iter().find(|name| !ours.contains(*name)) {
+            bail!("{OPT}: state file holds variable `{extra}`, which this optimizer does not have");
+        }
+        let mut restored = Vec::with_capacity(self.states.len());
+        for s in &self.states {
+            restored.push(s.restored_from(&map)?);
         }
         #[cfg(feature = "cuda")]
         if self.flat.is_some() {
@@ -268,11 +238,90 @@ impl SmallFcLOpt {
             for (dst, src) in self.states.iter().zip(&restored) {
                 dst.copy_from(src)?;
             }
-            self.steps = steps.max(0) as u64;
+            self.steps = steps as u64;
             return Ok(());
         }
         self.states = restored;
-        self.steps = steps.max(0) as u64;
+        self.steps = steps as u64;
         Ok(())
+    }
+}
+
+impl TensorState {
+    /// This state's tensors under their keys in a saved file.
+    fn entries(&self) -> Result<Vec<(String, Tensor)>> {
+        let name = &self.name;
+        let mut out = Vec::with_capacity(10);
+        for (k, m) in self.momentum.iter().enumerate() {
+            out.push((format!("{name}.momentum.{k}"), m.clone()));
+        }
+        out.push((format!("{name}.rms"), self.rms.clone()));
+        match &self.factors {
+            Factors::Matrix { row, col, .. } => {
+                for (k, (r, c)) in unstack(row)?.iter().zip(&unstack(col)?).enumerate() {
+                    out.push((format!("{name}.row.{k}"), r.clone()));
+                    out.push((format!("{name}.col.{k}"), c.clone()));
+                }
+            }
+            Factors::Vector { full } => {
+                for (k, f) in full.iter().enumerate() {
+                    out.push((format!("{name}.full.{k}"), f.clone()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A copy of this state with every tensor taken from `map` (a loaded state file), each
+    /// checked for its shape and dtype.
+    fn restored_from(&self, map: &HashMap<String, Tensor>) -> Result<Self> {
+        let name = &self.name;
+        if !map.contains_key(&format!("{name}.rms")) {
+            bail!(
+                "{OPT}: state file has no state for variable `{name}` (shape {:?})",
+                self.var.dims()
+            );
+        }
+        let take = |what: String, like: &Tensor| -> Result<Tensor> {
+            let Some(t) = map.get(&what) else {
+                bail!("{OPT}: state file has no tensor `{what}` for variable `{name}`");
+            };
+            if t.dims() != like.dims() || t.dtype() != DType::F32 {
+                bail!(
+                    "{OPT}: state tensor `{what}` is {:?} {:?}, but variable `{name}` (shape {:?}) needs {:?} f32",
+                    t.dims(),
+                    t.dtype(),
+                    self.var.dims(),
+                    like.dims()
+                );
+            }
+            Ok(t.clone())
+        };
+        let three = |what: &str, like: &[Tensor; 3]| -> Result<[Tensor; 3]> {
+            Ok([
+                take(format!("{name}.{what}.0"), &like[0])?,
+                take(format!("{name}.{what}.1"), &like[1])?,
+                take(format!("{name}.{what}.2"), &like[2])?,
+            ])
+        };
+        let factors = match &self.factors {
+            Factors::Matrix { d0, d1, row, col } => Factors::Matrix {
+                d0: *d0,
+                d1: *d1,
+                row: Tensor::stack(&three("row", &unstack(row)?)?, 0)?,
+                col: Tensor::stack(&three("col", &unstack(col)?)?, 0)?,
+            },
+            Factors::Vector { full } => Factors::Vector {
+                full: three("full", full)?,
+            },
+        };
+        Ok(Self {
+            name: name.clone(),
+            var: self.var.clone(),
+            shape: self.shape.clone(),
+            momentum: three("momentum", &self.momentum)?,
+            rms: take(format!("{name}.rms"), &self.rms)?,
+            factors,
+        })
     }
 }

@@ -75,6 +75,7 @@ impl SmallFcLOpt {
             .to_dtype(state.var.dtype())?;
         Ok(Some((
             TensorState {
+                name: state.name.clone(),
                 var: state.var.clone(),
                 shape: state.shape.clone(),
                 momentum: acc.momentum,
