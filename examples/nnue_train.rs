@@ -62,9 +62,9 @@ impl Nnue {
     }
 
     pub fn forward(&self, batch: &Batch) -> Result<Tensor> {
-        let accumulator =
-            self.ft
-                .forward_pair(&batch.white, &batch.black, &batch.stm, None, None)?;
+        let accumulator = self
+            .ft
+            .forward_pair(&batch.white, &batch.black, &batch.stm)?;
         let h = accumulator.clamp(0f32, 1f32)?;
         let h = self.l1.forward(&h)?.clamp(0f32, 1f32)?;
         Ok(self.l2.forward(&h)?.squeeze(D::Minus1)?)

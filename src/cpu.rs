@@ -59,7 +59,7 @@ fn advise_huge_pages(addr: usize, bytes: usize) {
 /// through it (rather than through `WithDType::to_f64`) keeps f32 loops free of conversions
 /// so they vectorise.
 pub(crate) trait CpuFloat: candle_core::WithDType {
-    type Acc: num_traits::Float + Send + Sync + std::iter::Sum;
+    type Acc: num_traits::Float + candle_core::WithDType + Send + Sync + std::iter::Sum;
     fn to_acc(self) -> Self::Acc;
     fn from_acc(acc: Self::Acc) -> Self;
 }

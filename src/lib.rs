@@ -35,7 +35,7 @@
 //! let white = Tensor::new(&[[3i32, 70, 500, -1], [8, -1, 0, 0]], &dev)?;
 //! let black = Tensor::new(&[[5i32, 9, -1, -1], [600, 601, 602, 603]], &dev)?;
 //! let stm = Tensor::new(&[1u8, 0], &dev)?;
-//! let acc = candle_fastops::sparse_linear_pair(&white, &black, &stm, None, None, &weight, &ft_bias)?;
+//! let acc = candle_fastops::sparse_linear_pair(&white, &black, &stm, &weight, &ft_bias)?;
 //! assert_eq!(acc.dims(), [2, 64]);
 //! let grads = acc.clamp(0f32, 1f32)?.sum_all()?.backward()?;
 //! assert_eq!(grads.get(&weight).unwrap().dims(), [768, 32]);
@@ -85,5 +85,6 @@ pub use softmax::{log_softmax_dims, softmax_dims};
 #[doc(hidden)]
 pub use sparse_linear::sparse_linear_backward;
 pub use sparse_linear::{
-    check_sparse_indices, sparse_linear, sparse_linear_pair, FeatureTransformer,
+    check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_pair_with,
+    sparse_linear_with, FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
 };

@@ -1,7 +1,10 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_fastops::{check_sparse_indices, sparse_linear, sparse_linear_pair, FeatureTransformer};
+use candle_fastops::{
+    check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_with,
+    FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
+};
 use candle_nn::Optimizer;
 use common::*;
 use rand::Rng;
@@ -241,12 +244,17 @@ fn pair_forward_puts_the_side_to_move_first() {
                 let (w, bb) = (to_f64(&weight)?, to_f64(&bias)?);
                 for with_values in [false, true] {
                     let (wv, bv) = (white.values(dev)?, black.values(dev)?);
+                    let (wi, bi) = (white.indices(dev)?, black.indices(dev)?);
                     let ys = sparse_linear_pair(
-                        &white.indices(dev)?,
-                        &black.indices(dev)?,
+                        SparseFeatures {
+                            indices: &wi,
+                            values: with_values.then_some(&wv),
+                        },
+                        SparseFeatures {
+                            indices: &bi,
+                            values: with_values.then_some(&bv),
+                        },
                         &Tensor::from_vec(stm.clone(), (n, 1), dev)?,
-                        with_values.then_some(&wv),
-                        with_values.then_some(&bv),
                         &weight,
                         &bias,
                     )?;
@@ -301,12 +309,17 @@ fn check_backward(
     let r = (r * keep)?;
     let (wv, bv) = (white.values(dev)?, black.values(dev)?);
     let ys = if pair {
+        let (wi, bi) = (white.indices(dev)?, black.indices(dev)?);
         sparse_linear_pair(
-            &white.indices(dev)?,
-            &black.indices(dev)?,
+            SparseFeatures {
+                indices: &wi,
+                values: with_values.then_some(&wv),
+            },
+            SparseFeatures {
+                indices: &bi,
+                values: with_values.then_some(&bv),
+            },
             &Tensor::from_vec(stm.clone(), n, dev)?,
-            with_values.then_some(&wv),
-            with_values.then_some(&bv),
             &weight,
             &bias,
         )?
@@ -406,12 +419,12 @@ fn feature_transformer_trains_like_a_layer() -> Result<()> {
         let target = rand_tensor(&[16, 32], 1.0, DType::F32, dev, 7001)?;
         let mut opt = candle_nn::SGD::new(varmap.all_vars(), 0.5)?;
         let loss_of = |ft: &FeatureTransformer| -> Result<f32> {
-            let ys = ft.forward(&batch.indices(dev)?, None)?;
+            let ys = ft.forward(&batch.indices(dev)?)?;
             (ys - &target)?.sqr()?.mean_all()?.to_scalar::<f32>()
         };
         let before = loss_of(&ft)?;
         for _ in 0..20 {
-            let ys = ft.forward(&batch.indices(dev)?, None)?;
+            let ys = ft.forward(&batch.indices(dev)?)?;
             let loss = (ys - &target)?.sqr()?.mean_all()?;
             opt.backward_step(&loss)?;
         }
@@ -481,11 +494,11 @@ fn bad_inputs_are_clear_errors() {
         let black = Tensor::new(&[[1i32, 2, 3]], dev)?;
         let stm = Tensor::new(&[1u8, 0], dev)?;
         expect_err(
-            sparse_linear_pair(&idx, &black, &stm, None, None, &w, &b),
+            sparse_linear_pair(&idx, &black, &stm, &w, &b),
             "black has shape",
         );
         expect_err(
-            sparse_linear_pair(&idx, &idx, &stm.narrow(0, 0, 1)?, None, None, &w, &b),
+            sparse_linear_pair(&idx, &idx, &stm.narrow(0, 0, 1)?, &w, &b),
             "stm must be",
         );
         if dev.is_cuda() {
@@ -499,23 +512,27 @@ fn bad_inputs_are_clear_errors() {
                 check_sparse_indices(&idx, 10).is_err(),
                 "check_sparse_indices missed {bad}"
             );
-            let first = sparse_linear(&idx, None, &w, &b);
+            // The same call fails, on every device, naming the index; so does the pair form
+            // with the bad index on either side.
+            let needle = format!("index {bad} at [1, 0] is out of range");
+            expect_err(sparse_linear(&idx, None, &w, &b), &needle);
+            let good = Tensor::new(&[[1i32, 2], [-1, -1]], dev)?;
+            let stm = Tensor::new(&[1u8, 0], dev)?;
+            expect_err(sparse_linear_pair(&good, &idx, &stm, &w, &b), &needle);
+            // Nothing carries over: the next call with good indices succeeds.
+            sparse_linear(&good, None, &w, &b)?;
+            // The unchecked fast path skips the bad index on CUDA (never reading outside the
+            // weight): the row gets the bias alone.
+            let unchecked = SparseLinearOptions {
+                index_check: IndexCheck::Unchecked,
+                ..Default::default()
+            };
+            let fast = sparse_linear_with(SparseFeatures::new(&idx), &w, &b, &unchecked);
             if dev.is_cpu() {
-                expect_err(first, "out of range");
+                expect_err(fast, &needle);
             } else {
-                // The GPU skips the bad index, never reading outside the weight, and the next
-                // call reports it once the kernel has finished.
-                let ys = first?;
-                let good = Tensor::new(&[[1i32, 2], [-1, -1]], dev)?;
-                let row1 = to_f64(&ys.get(1)?)?;
+                let row1 = to_f64(&fast?.get(1)?)?;
                 assert_close(&row1, &to_f64(&b)?, 0.0, "row with a skipped bad index");
-                dev.synchronize()?;
-                expect_err(
-                    sparse_linear(&good, None, &w, &b),
-                    "outside [-1, num_inputs)",
-                );
-                // Reported once: the flag is cleared.
-                sparse_linear(&good, None, &w, &b)?;
             }
         }
         Ok(())

@@ -13,8 +13,8 @@
 // row loads before using any, since the gather is bound by L2 latency, not arithmetic.
 //
 // Indices: a row's features end at its first -1; anything after it is ignored. An index < -1
-// or >= num_inputs is never dereferenced: it contributes nothing and raises the host-mapped
-// error flag, which the host checks on its next call (no synchronisation when inputs are valid).
+// or >= num_inputs is never dereferenced: it contributes nothing and raises the call's error
+// flag (a device word the host reads after the forward kernels; null in unchecked calls).
 #include "common.cuh"
 
 using namespace fastops;
@@ -25,9 +25,9 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 
-// Mirrors `SparseShape` in src/sparse_linear.rs (repr(C)).
+// Mirrors `SparseShape` in src/sparse_linear/cuda.rs (repr(C)).
 struct SparseShape {
-    uint32_t* error_flag;   // host-mapped word; null: errors are not reported
+    uint32_t* error_flag;   // the call's bad-index word; null: bad indices are not reported
     uint64_t batch;
     uint64_t num_inputs;
     uint64_t out_dim;
@@ -101,7 +101,7 @@ __device__ __forceinline__ FeatureChunk load_features(const SparseBatch& s, cons
     chunk.last = ends != 0 || base + 32 >= s.max_active;
     const bool bad = lane < chunk.count && (index < -1 || static_cast<uint64_t>(static_cast<int64_t>(index)) >= s.num_inputs);
     if (bad) {
-        if (s.error_flag != nullptr) *reinterpret_cast<volatile uint32_t*>(s.error_flag) = 1u;
+        if (s.error_flag != nullptr) *s.error_flag = 1u;  // every writer stores 1: no ordering needed
         index = -2;
     }
     chunk.index = index;

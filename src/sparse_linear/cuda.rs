@@ -1,7 +1,7 @@
 use super::{Features, OP};
-use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, ErrorFlag, Kernel, Module};
+use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, Kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::kernel_name;
 use candle_core::{bail, CudaDevice, Result, Storage, StorageRef, WithDType};
@@ -27,20 +27,6 @@ unsafe impl DeviceRepr for SparseShape {}
 
 const THREADS: u32 = 256;
 const WARPS_PER_BLOCK: u64 = (THREADS / 32) as u64;
-
-/// Reports (and clears) a bad index that a finished kernel on `dev` skipped.
-pub(super) fn take_pending_error(dev: &CudaDevice) -> Result<()> {
-    if let Some(flag) = ErrorFlag::of(dev)? {
-        if flag.take() {
-            bail!(
-                "{OP}: an earlier call on this device was given an index outside [-1, num_inputs); \
-                 it was skipped (nothing outside the weight was read). \
-                 Use check_sparse_indices to find it"
-            );
-        }
-    }
-    Ok(())
-}
 
 /// How a kernel is launched: its variant, the width of its column stripes, and how many
 /// stripes one launch covers.
@@ -196,14 +182,15 @@ impl<'a> FeatureArgs<'a> {
     }
 }
 
+/// The kernels' shape arguments; `error_flag` is the device address of the call's bad-index
+/// word (0: bad indices are skipped unreported).
 fn shape(
-    dev: &CudaDevice,
     f: &Features,
+    error_flag: u64,
     weight_stride: usize,
     stripe_begin: u64,
     stripe_end: u64,
 ) -> Result<SparseShape> {
-    let error_flag = ErrorFlag::of(dev)?.map_or(0, |flag| flag.device_ptr());
     Ok(SparseShape {
         error_flag,
         batch: f.batch as u64,
@@ -248,8 +235,17 @@ pub(super) fn forward<T: WithDType + DeviceRepr>(
     let cfg = plan.config(dev, tasks)?;
     let views = FeatureViews::new(f);
     let features = FeatureArgs::new(&views)?;
+    // The call's own bad-index word, zeroed on the stream before the kernels.
+    let flag = if f.check_indices {
+        Some(dev.alloc_zeros::<u32>(1)?)
+    } else {
+        None
+    };
+    let stream = dev.cuda_stream();
+    let flag_ptr = flag.as_ref().map(|flag| flag.device_ptr(&stream));
+    let flag_addr = flag_ptr.as_ref().map_or(0, |(addr, _)| *addr);
     for (begin, end) in plan.launches() {
-        let shape = shape(dev, f, weight_stride, begin, end)?;
+        let shape = shape(f, flag_addr, weight_stride, begin, end)?;
         // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
         // side_first, weight, bias, out)`. Index rows hold max_active entries for batch
         // rows, weight rows are read only at indices checked against num_inputs, with
@@ -262,7 +258,38 @@ pub(super) fn forward<T: WithDType + DeviceRepr>(
             })?;
         }
     }
+    drop(flag_ptr);
+    if let Some(flag) = flag {
+        // One synchronisation: the copy waits for the kernels.
+        if dev.clone_dtoh(&flag)?[0] != 0 {
+            return Err(bad_index_error(f));
+        }
+    }
     Ok(())
+}
+
+/// The error for a call whose kernel raised the bad-index flag, naming the first bad index
+/// (found on the host: this path is taken only for bad input).
+fn bad_index_error(f: &Features) -> candle_core::Error {
+    for side in &f.sides {
+        let host = side
+            .indices
+            .flatten_all()
+            .and_then(|t| t.to_device(&candle_core::Device::Cpu))
+            .and_then(|t| t.to_vec1::<i32>());
+        match host {
+            Ok(host) => {
+                if let Err(e) = super::validate_rows(&host, f.batch, f.max_active, f.num_inputs) {
+                    return e;
+                }
+            }
+            Err(e) => return e,
+        }
+    }
+    candle_core::Error::Msg(format!(
+        "{OP}: the kernel reported an index outside [-1, {}) that the host could not find",
+        f.num_inputs
+    ))
 }
 
 pub(super) fn backward<T: WithDType + DeviceRepr>(
@@ -284,7 +311,7 @@ pub(super) fn backward<T: WithDType + DeviceRepr>(
     let views = FeatureViews::new(f);
     let features = FeatureArgs::new(&views)?;
     for (begin, end) in plan.launches() {
-        let shape = shape(dev, f, f.out, begin, end)?;
+        let shape = shape(f, 0, f.out, begin, end)?;
         // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
         // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements
         // and grad (num_inputs + 1) x out, written only at rows checked against num_inputs.

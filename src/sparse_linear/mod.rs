@@ -35,11 +35,11 @@ const OP: &str = "sparse_linear";
 /// * Autograd: gradients flow to `weight` and `bias` (dense, shaped like them); `indices` and
 ///   `values` get none.
 ///
-/// Bad indices: on the CPU the call fails with an error naming the index. On CUDA the kernel
-/// never reads outside `weight`: a bad index contributes nothing and raises a device-written flag
-/// that the *next* `sparse_linear` call on that device (or [`check_sparse_indices`]) reports, so
-/// valid inputs never cost a host synchronisation. Call [`check_sparse_indices`] on a batch to
-/// validate it eagerly.
+/// Bad indices make this call return an error naming the first one, on every device. On CUDA
+/// the kernel never reads outside `weight` and raises a flag of this call's own, which the host
+/// reads after the kernel: one stream synchronisation per call. Loops over data validated once
+/// (with [`check_sparse_indices`]) can skip it with [`IndexCheck::Unchecked`] through
+/// [`sparse_linear_with`] or [`FeatureTransformer::with_options`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -58,8 +58,81 @@ pub fn sparse_linear(
     weight: &Tensor,
     bias: &Tensor,
 ) -> Result<Tensor> {
-    let batch = Features::new(&[(indices, values)], None, weight, bias)?;
+    let features = SparseFeatures { indices, values };
+    sparse_linear_with(features, weight, bias, &SparseLinearOptions::default())
+}
+
+/// [`sparse_linear`] with per-call options (index checking, deterministic backward).
+pub fn sparse_linear_with(
+    features: SparseFeatures<'_>,
+    weight: &Tensor,
+    bias: &Tensor,
+    options: &SparseLinearOptions,
+) -> Result<Tensor> {
+    let batch = Features::new(&[features], None, weight, bias, options)?;
     apply(batch, weight, bias)
+}
+
+/// One perspective's active features: `indices` `[batch, max_active]` i32 (each row ends at its
+/// first -1) and optional per-feature `values` (f32, the same shape; `None` for all ones). A
+/// plain `&Tensor` converts into features without values, so the values of one perspective
+/// cannot be passed with the indices of the other.
+#[derive(Debug, Clone, Copy)]
+pub struct SparseFeatures<'a> {
+    /// `[batch, max_active]` i32.
+    pub indices: &'a Tensor,
+    /// `[batch, max_active]` f32, or `None` for all ones.
+    pub values: Option<&'a Tensor>,
+}
+
+impl<'a> SparseFeatures<'a> {
+    /// Features whose values are all one.
+    pub fn new(indices: &'a Tensor) -> Self {
+        Self {
+            indices,
+            values: None,
+        }
+    }
+
+    /// The same features with per-feature values.
+    pub fn with_values(self, values: &'a Tensor) -> Self {
+        Self {
+            values: Some(values),
+            ..self
+        }
+    }
+}
+
+impl<'a> From<&'a Tensor> for SparseFeatures<'a> {
+    fn from(indices: &'a Tensor) -> Self {
+        Self::new(indices)
+    }
+}
+
+/// How a call treats indices outside `-1..num_inputs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IndexCheck {
+    /// The call returns an error naming the first bad index, on every device (the default).
+    /// On CUDA this costs one stream synchronisation per call (the host reads the kernel's
+    /// per-call flag; BENCHMARKS.md gives the measured cost).
+    #[default]
+    AtCall,
+    /// For data validated once (for example with [`check_sparse_indices`] at load time): no
+    /// synchronisation. The CUDA kernels still never read outside `weight`, but a bad index
+    /// then contributes nothing, silently; the CPU path still checks (it costs no sync).
+    Unchecked,
+}
+
+/// Per-call options of [`sparse_linear_with`] / [`sparse_linear_pair_with`] and
+/// [`FeatureTransformer::with_options`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SparseLinearOptions {
+    /// Index checking on CUDA (default [`IndexCheck::AtCall`]).
+    pub index_check: IndexCheck,
+    /// Whether the backward pass of this call is bit-reproducible on CUDA (features sorted on
+    /// the host, one synchronisation per backward, no atomics). `None` (default) follows
+    /// [`crate::set_deterministic`]. The CPU is always deterministic.
+    pub deterministic: Option<bool>,
 }
 
 /// Both perspectives of an NNUE position in one launch: `[batch, 2 * out]` whose row `b` is
@@ -67,7 +140,8 @@ pub fn sparse_linear(
 /// `[transform(black[b]), transform(white[b])]` otherwise, sharing `weight` and `bias`. This is
 /// what NNUE trainers feed the next layer, without a concat or a select copy.
 ///
-/// `white` / `black` (and their optional values) follow [`sparse_linear`]'s rules and share a
+/// `white` / `black` are [`SparseFeatures`] (a plain `&Tensor` of indices, or
+/// `SparseFeatures::new(&idx).with_values(&vals)`), follow [`sparse_linear`]'s rules and share a
 /// shape; `stm` is `[batch]` (or `[batch, 1]`) of any dtype, nonzero meaning white to move.
 ///
 /// ```
@@ -78,38 +152,46 @@ pub fn sparse_linear(
 /// let white = Tensor::new(&[[0i32, 1], [2, -1]], &dev)?;
 /// let black = Tensor::new(&[[2i32, -1], [0, -1]], &dev)?;
 /// let stm = Tensor::new(&[1u8, 0], &dev)?; // white to move, then black to move
-/// let ys = candle_fastops::sparse_linear_pair(&white, &black, &stm, None, None, &weight, &bias)?;
+/// let ys = candle_fastops::sparse_linear_pair(&white, &black, &stm, &weight, &bias)?;
 /// assert_eq!(ys.to_vec2::<f32>()?, [[11., 100.], [1., 100.]]);
+/// // Weighted features: the values travel with their own perspective's indices.
+/// use candle_fastops::SparseFeatures;
+/// let half = Tensor::new(&[[0.5f32, 0.5], [0.5, 0.5]], &dev)?;
+/// let white = SparseFeatures::new(&white).with_values(&half);
+/// let ys = candle_fastops::sparse_linear_pair(white, &black, &stm, &weight, &bias)?;
+/// assert_eq!(ys.to_vec2::<f32>()?, [[5.5, 100.], [1., 50.]]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn sparse_linear_pair(
-    white: &Tensor,
-    black: &Tensor,
+pub fn sparse_linear_pair<'a>(
+    white: impl Into<SparseFeatures<'a>>,
+    black: impl Into<SparseFeatures<'a>>,
     stm: &Tensor,
-    white_values: Option<&Tensor>,
-    black_values: Option<&Tensor>,
     weight: &Tensor,
     bias: &Tensor,
 ) -> Result<Tensor> {
-    let batch = Features::new(
-        &[(white, white_values), (black, black_values)],
-        Some(stm),
-        weight,
-        bias,
-    )?;
+    let options = SparseLinearOptions::default();
+    sparse_linear_pair_with(white, black, stm, weight, bias, &options)
+}
+
+/// [`sparse_linear_pair`] with per-call options (index checking, deterministic backward).
+pub fn sparse_linear_pair_with<'a>(
+    white: impl Into<SparseFeatures<'a>>,
+    black: impl Into<SparseFeatures<'a>>,
+    stm: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    options: &SparseLinearOptions,
+) -> Result<Tensor> {
+    let sides = [white.into(), black.into()];
+    let batch = Features::new(&sides, Some(stm), weight, bias, options)?;
     apply(batch, weight, bias)
 }
 
 /// Checks that every active index of `indices` (those before each row's first -1) lies in
-/// `0..num_inputs`, with an error naming the first bad one. On CUDA it also reports a bad index
-/// that an earlier [`sparse_linear`] call skipped. It reads the indices on the host: one
-/// synchronisation, meant for data-loading checks and tests rather than every step.
+/// `0..num_inputs`, with an error naming the first bad one. It reads the indices on the host:
+/// one synchronisation, meant for validating data once before [`IndexCheck::Unchecked`] calls.
 pub fn check_sparse_indices(indices: &Tensor, num_inputs: usize) -> Result<()> {
     check_indices_tensor(indices, "indices")?;
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(dev) = indices.device() {
-        cuda::take_pending_error(dev)?;
-    }
     let (batch, max_active) = indices.dims2()?;
     let host = indices.to_device(&Device::Cpu)?.contiguous()?;
     let flat = host.flatten_all()?.to_vec1::<i32>()?;
@@ -118,7 +200,8 @@ pub fn check_sparse_indices(indices: &Tensor, num_inputs: usize) -> Result<()> {
 
 /// The gradients [`sparse_linear`]'s autograd produces for an output gradient `grad_out`
 /// (`[batch, out]`): `(grad_weight [num_inputs, out], grad_bias [out])` in the accumulator dtype
-/// (f32; f64 for f64), for the bench and for training loops without autograd.
+/// (f32; f64 for f64), for the bench and for training loops without autograd. Indices are not
+/// checked on CUDA (bad ones contribute nothing).
 #[doc(hidden)]
 pub fn sparse_linear_backward(
     indices: &Tensor,
@@ -130,7 +213,12 @@ pub fn sparse_linear_backward(
     let shape_only = Tensor::zeros((num_inputs, 1), grad_out.dtype(), grad_out.device())?
         .broadcast_as((num_inputs, out))?;
     let bias_like = Tensor::zeros(1, grad_out.dtype(), grad_out.device())?.broadcast_as(out)?;
-    let batch = Features::new(&[(indices, values)], None, &shape_only, &bias_like)?;
+    let options = SparseLinearOptions {
+        index_check: IndexCheck::Unchecked,
+        deterministic: None,
+    };
+    let features = SparseFeatures { indices, values };
+    let batch = Features::new(&[features], None, &shape_only, &bias_like, &options)?;
     let grads = grad_out.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
         batch: Arc::new(batch),
     })?;
@@ -150,7 +238,7 @@ pub fn sparse_linear_backward(
 /// let white = Tensor::new(&[[5i32, 700, 40000, -1]], &Device::Cpu)?;
 /// let black = Tensor::new(&[[9i32, 12, -1, -1]], &Device::Cpu)?;
 /// let stm = Tensor::new(&[1f32], &Device::Cpu)?;
-/// let hidden = ft.forward_pair(&white, &black, &stm, None, None)?; // [1, 512]
+/// let hidden = ft.forward_pair(&white, &black, &stm)?; // [1, 512]
 /// assert_eq!(hidden.dims(), [1, 512]);
 /// assert_eq!(varmap.all_vars().len(), 2); // ft.weight and ft.bias, ready for an optimizer
 /// # Ok::<(), candle_core::Error>(())
@@ -159,6 +247,7 @@ pub fn sparse_linear_backward(
 pub struct FeatureTransformer {
     weight: Tensor,
     bias: Tensor,
+    options: SparseLinearOptions,
 }
 
 impl FeatureTransformer {
@@ -171,12 +260,22 @@ impl FeatureTransformer {
         };
         let weight = vb.get_with_hints((num_inputs, out), "weight", init)?;
         let bias = vb.get_with_hints(out, "bias", init)?;
-        Ok(Self { weight, bias })
+        Ok(Self::from_tensors(weight, bias))
     }
 
     /// A layer over existing tensors (checked on first use).
     pub fn from_tensors(weight: Tensor, bias: Tensor) -> Self {
-        Self { weight, bias }
+        Self {
+            weight,
+            bias,
+            options: SparseLinearOptions::default(),
+        }
+    }
+
+    /// The same layer calling the op with `options`, e.g. [`IndexCheck::Unchecked`] in a
+    /// training loop over data validated once.
+    pub fn with_options(self, options: SparseLinearOptions) -> Self {
+        Self { options, ..self }
     }
 
     /// `[num_inputs, out]`.
@@ -189,30 +288,21 @@ impl FeatureTransformer {
         &self.bias
     }
 
-    /// [`sparse_linear`] with this layer's parameters.
-    pub fn forward(&self, indices: &Tensor, values: Option<&Tensor>) -> Result<Tensor> {
-        sparse_linear(indices, values, &self.weight, &self.bias)
+    /// [`sparse_linear`] with this layer's parameters and options.
+    pub fn forward<'a>(&self, features: impl Into<SparseFeatures<'a>>) -> Result<Tensor> {
+        sparse_linear_with(features.into(), &self.weight, &self.bias, &self.options)
     }
 
     /// [`sparse_linear_pair`] with this layer's parameters: `[batch, 2 * out]`, the side to
     /// move's half first.
-    pub fn forward_pair(
+    pub fn forward_pair<'a>(
         &self,
-        white: &Tensor,
-        black: &Tensor,
+        white: impl Into<SparseFeatures<'a>>,
+        black: impl Into<SparseFeatures<'a>>,
         stm: &Tensor,
-        white_values: Option<&Tensor>,
-        black_values: Option<&Tensor>,
     ) -> Result<Tensor> {
-        sparse_linear_pair(
-            white,
-            black,
-            stm,
-            white_values,
-            black_values,
-            &self.weight,
-            &self.bias,
-        )
+        let (weight, bias) = (&self.weight, &self.bias);
+        sparse_linear_pair_with(white, black, stm, weight, bias, &self.options)
     }
 }
 
@@ -242,6 +332,12 @@ struct Features {
     max_active: usize,
     num_inputs: usize,
     out: usize,
+    /// CUDA: read the per-call bad-index flag after the forward kernel.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    check_indices: bool,
+    /// CUDA: the backward sums in a fixed order (resolved from the options at the call).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    deterministic: bool,
 }
 
 #[derive(Debug)]
@@ -279,10 +375,11 @@ fn same_device(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
 
 impl Features {
     fn new(
-        sides: &[(&Tensor, Option<&Tensor>)],
+        sides: &[SparseFeatures<'_>],
         stm: Option<&Tensor>,
         weight: &Tensor,
         bias: &Tensor,
+        options: &SparseLinearOptions,
     ) -> Result<Self> {
         let (num_inputs, out) = match weight.dims() {
             &[n, o] => (n, o),
@@ -321,9 +418,10 @@ impl Features {
         } else {
             &names[..]
         };
-        let (batch, max_active) = sides[0].0.dims2().unwrap_or((0, 0));
+        let (batch, max_active) = sides[0].indices.dims2().unwrap_or((0, 0));
         let mut checked = Vec::with_capacity(sides.len());
-        for (&(indices, values), &(name, value_name)) in sides.iter().zip(names) {
+        for (side, &(name, value_name)) in sides.iter().zip(names) {
+            let (indices, values) = (side.indices, side.values);
             check_indices_tensor(indices, name)?;
             if indices.dims() != [batch, max_active] {
                 bail!(
@@ -377,6 +475,8 @@ impl Features {
             max_active,
             num_inputs,
             out,
+            check_indices: options.index_check == IndexCheck::AtCall,
+            deterministic: options.deterministic.unwrap_or_else(crate::deterministic),
         })
     }
 
@@ -469,7 +569,6 @@ impl CustomOp2 for SparseLinear {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let f = &self.batch;
         let dev = &weight.device;
-        cuda::take_pending_error(dev)?;
         let stride = weight_row_stride(weight_layout).ok_or_else(|| {
             candle_core::Error::Msg(format!("{OP}: internal error, weight layout"))
         })?;
@@ -532,7 +631,7 @@ impl CustomOp1 for SparseLinearGrad {
         let len = layout.shape().elem_count();
         let out = with_float_cpu!(OP, grad, |grad| {
             let grad = &grad[start..start + len];
-            accumulator_storage(cpu::backward(f, &sides, grad))
+            WithDType::to_cpu_storage_owned(cpu::backward(f, &sides, grad))
         });
         Ok((out, Shape::from((f.num_inputs + 1, f.out))))
     }
@@ -548,10 +647,9 @@ impl CustomOp1 for SparseLinearGrad {
         let start = layout.start_offset();
         let len = layout.shape().elem_count();
         let out = dev.alloc_zeros::<f32>((f.num_inputs + 1) * f.out)?;
-        let deterministic = crate::deterministic();
         crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
             let g = g.slice(start..start + len);
-            if deterministic {
+            if f.deterministic {
                 cuda::backward_sorted(dev, f, &g, start, &out)?
             } else {
                 cuda::backward(dev, f, &g, start, &out)?
@@ -561,18 +659,6 @@ impl CustomOp1 for SparseLinearGrad {
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((f.num_inputs + 1, f.out)),
         ))
-    }
-}
-
-/// Wraps a gradient accumulated in a float's accumulator type (f32 or f64) as CPU storage.
-fn accumulator_storage<A: 'static>(grad: Vec<A>) -> CpuStorage {
-    let any: Box<dyn std::any::Any> = Box::new(grad);
-    match any.downcast::<Vec<f64>>() {
-        Ok(v) => CpuStorage::F64(*v),
-        Err(any) => match any.downcast::<Vec<f32>>() {
-            Ok(v) => CpuStorage::F32(*v),
-            Err(_) => unreachable!("accumulators are f32 or f64"),
-        },
     }
 }
 
