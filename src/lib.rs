@@ -75,8 +75,9 @@ pub use bias_add::{bias_add, bias_add_};
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};
 pub use matmul::{
-    argmin_matmul, f32_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm,
-    masked_bmm_with_plan, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul, MaskPlan,
+    argmin_matmul, argmin_matmul_with, f32_matmul, kmeans_assign, kmeans_assign_with_distances,
+    masked_bmm, masked_bmm_with, masked_bmm_with_plan, matmul_tf32, set_f32_matmul,
+    set_matmul_tf32, F32Matmul, MaskPlan, MatmulOptions,
 };
 #[doc(hidden)]
 pub use poison::set_poison_outputs;

@@ -1,24 +1,26 @@
-//! The f32 modes of masked_bmm / argmin_matmul on CUDA (`set_f32_matmul`): compensated (three
-//! TF32 passes, the default), plain FMA and TF32. Their own test binary: the switch is
-//! process-wide, and the f32 tests in `matmul.rs` run the default.
+//! The f32 modes of masked_bmm / argmin_matmul on CUDA, chosen per call with `MatmulOptions`:
+//! compensated (three TF32 passes, the default), plain FMA and TF32. One test checks that the
+//! process-wide default (`set_f32_matmul`) is what a call without a mode follows.
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_fastops::{
-    argmin_matmul, f32_matmul, masked_bmm, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul,
+    argmin_matmul_with, f32_matmul, masked_bmm, masked_bmm_with, matmul_tf32, set_f32_matmul,
+    set_matmul_tf32, F32Matmul, MatmulOptions,
 };
 use common::*;
-use std::sync::Mutex;
 
-/// The tests of this binary change the process-wide mode: one at a time.
-static MODE: Mutex<()> = Mutex::new(());
+/// `masked_bmm` with the given f32 mode for this call only.
+fn masked_in(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64, mode: F32Matmul) -> Result<Tensor> {
+    masked_bmm_with(a, b, mask, fill, None, &MatmulOptions::with_f32(mode))
+}
 
 /// Worst |got - exact| / max(|exact|, 1) over the masked product of `a` and `b` (mask all kept).
-fn worst_error(a: &Tensor, b: &Tensor, exact: &[f64]) -> Result<f64> {
+fn worst_error(a: &Tensor, b: &Tensor, exact: &[f64], mode: F32Matmul) -> Result<f64> {
     let (_, m, _) = a.dims3()?;
     let n = b.dim(2)?;
     let keep = Tensor::ones((m, n), DType::U8, a.device())?;
-    let got = to_f64(&masked_bmm(a, b, &keep, 0.0)?)?;
+    let got = to_f64(&masked_in(a, b, &keep, 0.0, mode)?)?;
     Ok(got
         .iter()
         .zip(exact)
@@ -33,10 +35,12 @@ fn check_kmeans_like_argmin(
     bias: &Tensor,
     tol: f64,
     what: &str,
+    mode: F32Matmul,
 ) -> Result<()> {
     let (batch, m, k) = a.dims3()?;
     let n = b.dim(2)?;
-    let got = argmin_matmul(a, b, Some(bias), -2.0)?
+    let options = MatmulOptions::with_f32(mode);
+    let got = argmin_matmul_with(a, b, Some(bias), -2.0, &options)?
         .flatten_all()?
         .to_vec1::<u32>()?;
     let scores = argmin_reference(
@@ -55,7 +59,6 @@ fn check_kmeans_like_argmin(
 /// of the FMA result. On aligned 8 x 8 x 8 operands (the async core on CUDA).
 #[test]
 fn f32_modes_take_their_paths() -> Result<()> {
-    let _one = MODE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu() else {
         return Ok(());
     };
@@ -64,15 +67,12 @@ fn f32_modes_take_their_paths() -> Result<()> {
     let keep = Tensor::ones((8, 8), DType::U8, &dev)?;
     let mut got = Vec::new();
     for mode in [F32Matmul::Compensated, F32Matmul::Fma, F32Matmul::Tf32] {
-        set_f32_matmul(mode);
-        assert_eq!(f32_matmul(), mode);
         got.push(
-            masked_bmm(&a, &a, &keep, 0.0)?
+            masked_in(&a, &a, &keep, 0.0, mode)?
                 .flatten_all()?
                 .to_vec1::<f32>()?,
         );
     }
-    set_f32_matmul(F32Matmul::default());
     let exact = 8.0 * (x as f64) * (x as f64);
     let tf32 = 1.0 + 2f64.powi(-10);
     for v in &got[2] {
@@ -101,7 +101,6 @@ fn f32_modes_take_their_paths() -> Result<()> {
 /// near-ties.
 #[test]
 fn compensated_f32_matches_fma_accuracy() -> Result<()> {
-    let _one = MODE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu() else {
         return Ok(());
     };
@@ -115,10 +114,8 @@ fn compensated_f32_matches_fma_accuracy() -> Result<()> {
         let b_rows = rand_tensor(&[batch, k, n], 1.0, DType::F32, &dev, salt + 2)?;
         for (what, b) in [("transposed b", &b), ("row-major b", &b_rows)] {
             let exact = product(&to_f64(&a)?, &to_f64(b)?, batch, m, k, n);
-            set_f32_matmul(F32Matmul::Fma);
-            let fma = worst_error(&a, b, &exact)?;
-            set_f32_matmul(F32Matmul::Compensated);
-            let compensated = worst_error(&a, b, &exact)?;
+            let fma = worst_error(&a, b, &exact, F32Matmul::Fma)?;
+            let compensated = worst_error(&a, b, &exact, F32Matmul::Compensated)?;
             println!(
                 "case {s} {what} k={k}: worst error FMA {fma:.3e}, compensated {compensated:.3e}"
             );
@@ -133,10 +130,10 @@ fn compensated_f32_matches_fma_accuracy() -> Result<()> {
                 &bias,
                 1e-5 + 2e-6 * k as f64,
                 &format!("case {s} {what} argmin"),
+                F32Matmul::Compensated,
             )?;
         }
     }
-    set_f32_matmul(F32Matmul::default());
     Ok(())
 }
 
@@ -147,18 +144,20 @@ fn tf32_tolerance(k: usize) -> f64 {
 
 #[test]
 fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
-    let _one = MODE.lock().unwrap_or_else(|e| e.into_inner());
     // 1 + 2^-15 is an f32 but not a TF32 value: the GPU's TF32 product rounds it to 1, the CPU
-    // (always full f32) and the GPU with the switch off keep it. Proves which path ran.
+    // (always full f32) and the GPU in the default mode keep it. Proves which path ran.
     let exact = 1.0 + 2f32.powi(-15);
     for dev in devices() {
         for tf32 in [false, true] {
-            set_matmul_tf32(tf32);
-            assert_eq!(matmul_tf32(), tf32);
+            let mode = if tf32 {
+                F32Matmul::Tf32
+            } else {
+                F32Matmul::Compensated
+            };
             let a = Tensor::new(&[[[exact]]], &dev)?;
             let b = Tensor::new(&[[[1f32]]], &dev)?;
             let mask = Tensor::new(&[[1u8]], &dev)?;
-            let got = masked_bmm(&a, &b, &mask, 0.0)?
+            let got = masked_in(&a, &b, &mask, 0.0, mode)?
                 .flatten_all()?
                 .to_vec1::<f32>()?[0];
             let rounded = tf32 && dev.is_cuda();
@@ -169,7 +168,6 @@ fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
             );
         }
     }
-    set_matmul_tf32(true);
     for dev in devices() {
         // k = 128 with n = 260: both operands 16-byte aligned (the async core); the others are
         // not (the register-staged TF32 core).
@@ -185,7 +183,7 @@ fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
             let mask = Tensor::rand(0f32, 1f32, (m, n), &Device::Cpu)?
                 .ge(0.5)?
                 .to_device(&dev)?;
-            let out = masked_bmm(&a, &b, &mask, f64::NEG_INFINITY)?;
+            let out = masked_in(&a, &b, &mask, f64::NEG_INFINITY, F32Matmul::Tf32)?;
             let full = product(&to_f64(&a)?, &to_f64(&b)?, batch, m, k, n);
             let keep = to_f64(&mask.broadcast_as((batch, m, n))?)?;
             let expected: Vec<f64> = full
@@ -206,9 +204,42 @@ fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
                 &bias,
                 2.0 * tf32_tolerance(k),
                 &format!("{dev:?} argmin tf32 case {s}"),
+                F32Matmul::Tf32,
             )?;
         }
     }
-    set_matmul_tf32(false);
+    Ok(())
+}
+
+/// A call without a mode follows the process-wide default; a call with one ignores it. The only
+/// test of this binary that touches the global (the others pass their mode per call).
+#[test]
+fn calls_without_a_mode_follow_the_global_default() -> Result<()> {
+    let exact = 1.0 + 2f32.powi(-15);
+    assert_eq!(f32_matmul(), F32Matmul::Compensated);
+    for dev in devices() {
+        let a = Tensor::new(&[[[exact]]], &dev)?;
+        let b = Tensor::new(&[[[1f32]]], &dev)?;
+        let mask = Tensor::new(&[[1u8]], &dev)?;
+        let run = |options: Option<F32Matmul>| -> Result<f32> {
+            let out = match options {
+                None => masked_bmm(&a, &b, &mask, 0.0)?,
+                Some(mode) => masked_in(&a, &b, &mask, 0.0, mode)?,
+            };
+            out.flatten_all()?.to_vec1::<f32>().map(|v| v[0])
+        };
+        let rounded = if dev.is_cuda() { 1.0 } else { exact };
+        set_matmul_tf32(true);
+        assert!(matmul_tf32());
+        let (global, explicit) = (run(None)?, run(Some(F32Matmul::Fma))?);
+        set_f32_matmul(F32Matmul::default());
+        assert_eq!(global, rounded, "{dev:?}: the global TF32 default");
+        assert_eq!(explicit, exact, "{dev:?}: the per-call FMA mode");
+        assert_eq!(
+            run(None)?,
+            exact,
+            "{dev:?}: back to the compensated default"
+        );
+    }
     Ok(())
 }

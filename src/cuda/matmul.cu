@@ -55,12 +55,14 @@ struct Operand {
     int32_t mode;        // LoadMode
     int32_t vectorised;  // 1: 4-element runs along the contiguous dim are aligned; 2: 8-element runs too
 };
+static_assert(sizeof(Operand) == 32, "Operand is mirrored by a Rust #[repr(C)] struct of 32 bytes");
 
 // Mirrors `ProblemArgs` in src/matmul_core.rs.
 struct Problem {
     Operand a, b;
     int64_t batch, m, n, k;
 };
+static_assert(sizeof(Problem) == 96, "Problem is mirrored by a Rust #[repr(C)] struct of 96 bytes");
 
 template <typename T> struct Load4;
 template <> struct Load4<float> {
@@ -724,6 +726,7 @@ struct MaskArgs {
     int64_t plan_batch_stride;  // tiles between batches of the plan (0: one plan for all)
     float fill;
 };
+static_assert(sizeof(MaskArgs) == 24, "MaskArgs is mirrored by a Rust #[repr(C)] struct of 24 bytes");
 
 // RUN adjacent outputs of one row; vector stores when the row starts are aligned for them.
 template <typename T, int RUN>
@@ -805,6 +808,7 @@ struct SpanArgs {
     int64_t spans_batch_stride;  // u32 pairs between batches of the spans (0: one set for all)
     int32_t by_cols;             // spans indexed by the output's column tile (else its row tile)
 };
+static_assert(sizeof(SpanArgs) == 16, "SpanArgs is mirrored by a Rust #[repr(C)] struct of 16 bytes");
 
 template <typename T, int CORE>
 __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __restrict__ b,
@@ -848,6 +852,7 @@ struct ArgminArgs {
     int64_t col_groups;  // blocks sharing a row tile, each taking every col_groups-th column tile
     float scale;
 };
+static_assert(sizeof(ArgminArgs) == 16, "ArgminArgs is mirrored by a Rust #[repr(C)] struct of 16 bytes");
 
 template <typename T, int CORE>
 __device__ __forceinline__ void argmin_matmul(const T* __restrict__ a, const T* __restrict__ b,

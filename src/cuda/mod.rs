@@ -206,6 +206,8 @@ pub(crate) struct FastDiv {
     pub multiplier: u32,
     pub shift: u32,
 }
+// `FastDiv` in src/cuda/softmax.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<FastDiv>() == 12);
 
 impl FastDiv {
     pub(crate) fn new(divisor: usize) -> Self {

@@ -29,6 +29,7 @@ struct Divisor {
     uint64_t d;
     uint32_t magic, shift;
 };
+static_assert(sizeof(Divisor) == 16, "Divisor is mirrored by a Rust #[repr(C)] struct of 16 bytes");
 
 __device__ __forceinline__ uint64_t quotient(uint64_t n, const Divisor& v, bool wide) {
     if (wide) return n / v.d;
@@ -57,17 +58,20 @@ struct LoptMeta {
     uint32_t factored, wide;
     uint32_t tiled, pad;  // tiled: a 2-D matrix whose square sums lopt_square_sums_tiled takes
 };
+static_assert(sizeof(LoptMeta) == 208, "LoptMeta is mirrored by a Rust #[repr(C)] struct of 208 bytes");
 
 struct Chunk {
     uint32_t tensor, pad;
     uint64_t start;
 };
+static_assert(sizeof(Chunk) == 16, "Chunk is mirrored by a Rust #[repr(C)] struct of 16 bytes");
 
 // This step's gradient and parameter of each tensor of the group (null gradient: skipped).
 struct StepTensors {
     const float* grad[GROUP];
     float* param[GROUP];
 };
+static_assert(sizeof(StepTensors) == 2048, "StepTensors is mirrored by a Rust #[repr(C)] struct of 2048 bytes");
 
 struct Buffers {
     float* elem;
@@ -81,15 +85,18 @@ struct Buffers {
     float* batch_sum;
     float* feat_sum;
 };
+static_assert(sizeof(Buffers) == 80, "Buffers is mirrored by a Rust #[repr(C)] struct of 80 bytes");
 
 // Decays of the three momenta, the rms and the three Adafactor accumulators.
 struct Decays {
     float momentum[3], rms, adafactor[3], pad;
 };
+static_assert(sizeof(Decays) == 32, "Decays is mirrored by a Rust #[repr(C)] struct of 32 bytes");
 
 struct Hyper {
     float step_mult, exp_mult, lr, weight_decay;
 };
+static_assert(sizeof(Hyper) == 16, "Hyper is mirrored by a Rust #[repr(C)] struct of 16 bytes");
 
 __device__ __forceinline__ float srsqrt(float x) { return 1.0f / sqrtf(fmaxf(x, 1e-9f)); }
 
@@ -235,6 +242,7 @@ struct SumTile {
     uint32_t col_start, cols;
     uint32_t rows_into_col_sum, pad;
 };
+static_assert(sizeof(SumTile) == 32, "SumTile is mirrored by a Rust #[repr(C)] struct of 32 bytes");
 
 // The square sums of 2-D gradients, a tile per block iteration: each thread owns four columns of
 // the tile and keeps their sums in registers; rows go in batches of ROW_BATCH (that many loads in

@@ -32,6 +32,7 @@ struct FastDiv {
         return (__umulhi(n, multiplier) + n) >> shift;
     }
 };
+static_assert(sizeof(FastDiv) == 12, "FastDiv is mirrored by a Rust #[repr(C)] struct of 12 bytes");
 
 struct ReduceLayout {
     uint32_t n_kept, n_reduced;
@@ -42,6 +43,7 @@ struct ReduceLayout {
     FastDiv lanes;
     uint32_t num_groups, group_size;
 };
+static_assert(sizeof(ReduceLayout) == 272, "ReduceLayout is mirrored by a Rust #[repr(C)] struct of 272 bytes");
 
 __device__ __forceinline__ uint64_t mixed_radix(uint32_t index, uint32_t n, const FastDiv* divs,
                                                 const uint64_t* strides) {

@@ -38,6 +38,7 @@ struct SparseShape {
     uint32_t max_active;
     uint32_t perspectives;  // 1 or 2
 };
+static_assert(sizeof(SparseShape) == 72, "SparseShape is mirrored by a Rust #[repr(C)] struct of 72 bytes");
 
 // The shape plus the feature tensors, as the kernels receive them.
 struct SparseBatch {

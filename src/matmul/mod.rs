@@ -14,6 +14,10 @@ pub(crate) mod backward;
 pub(crate) mod core;
 pub(crate) mod masked_bmm;
 
-pub use self::argmin::{argmin_matmul, kmeans_assign, kmeans_assign_with_distances};
-pub use self::core::{f32_matmul, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul};
-pub use self::masked_bmm::{masked_bmm, masked_bmm_with_plan, MaskPlan};
+pub use self::argmin::{
+    argmin_matmul, argmin_matmul_with, kmeans_assign, kmeans_assign_with_distances,
+};
+pub use self::core::{
+    f32_matmul, matmul_tf32, set_f32_matmul, set_matmul_tf32, F32Matmul, MatmulOptions,
+};
+pub use self::masked_bmm::{masked_bmm, masked_bmm_with, masked_bmm_with_plan, MaskPlan};

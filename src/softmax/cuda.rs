@@ -20,6 +20,8 @@ struct ReduceLayout {
     num_groups: u32,
     group_size: u32,
 }
+// `ReduceLayout` in src/cuda/softmax.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<ReduceLayout>() == 272);
 
 // SAFETY: plain-old-data with the same C layout as the kernel's parameter.
 unsafe impl DeviceRepr for ReduceLayout {}

@@ -21,6 +21,8 @@ struct SparseShape {
     max_active: u32,
     perspectives: u32,
 }
+// `SparseShape` in src/cuda/sparse_linear.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<SparseShape>() == 72);
 
 // SAFETY: plain data with the C layout the kernels expect.
 unsafe impl DeviceRepr for SparseShape {}

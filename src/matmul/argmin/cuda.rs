@@ -13,6 +13,8 @@ struct ArgminArgs {
     col_groups: i64,
     scale: f32,
 }
+// `ArgminArgs` in src/cuda/matmul.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<ArgminArgs>() == 16);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for ArgminArgs {}
 
@@ -26,6 +28,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     bias: &CudaView<'_, f32>,
     av: &MatView,
     bv: &MatView,
+    mode: crate::F32Matmul,
     scale: f32,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
@@ -51,7 +54,14 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     };
     let a = a.slice(av.start..);
     let b = b.slice(bv.start..);
-    let (product, cfg) = core_launch::<T>(dev, "argmin_matmul", "argmin_matmul", &problem, blocks)?;
+    let (product, cfg) = core_launch::<T>(
+        dev,
+        "argmin_matmul",
+        "argmin_matmul",
+        &problem,
+        mode,
+        blocks,
+    )?;
     // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
     // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
     unsafe {

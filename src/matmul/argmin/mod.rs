@@ -9,7 +9,7 @@
 //! rows by a block of columns into a small buffer and scans it.
 
 use crate::dispatch::check_float_operands;
-use crate::matmul::core::{cpu_block_product, CpuGemm, MatView};
+use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, MatmulOptions};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -48,6 +48,17 @@ pub fn argmin_matmul(
     col_bias: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
+    argmin_matmul_with(a, b, col_bias, scale, &MatmulOptions::default())
+}
+
+/// [`argmin_matmul`] with per-call options (the f32 mode on CUDA).
+pub fn argmin_matmul_with(
+    a: &Tensor,
+    b: &Tensor,
+    col_bias: Option<&Tensor>,
+    scale: f64,
+    options: &MatmulOptions,
+) -> Result<Tensor> {
     check_args(a, b, col_bias)?;
     let n = b.dim(D::Minus1)?;
     let bias = match col_bias {
@@ -66,6 +77,7 @@ pub fn argmin_matmul(
     };
     let op = ArgminMatmul {
         scale: scale as f32,
+        mode: options.resolved_f32(),
     };
     if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
         return a
@@ -184,6 +196,9 @@ const CPU_COLS: usize = 512;
 
 struct ArgminMatmul {
     scale: f32,
+    /// The f32 mode on CUDA, resolved at the call.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    mode: F32Matmul,
 }
 
 /// `a . b` views and the output shape of one call.
@@ -311,7 +326,7 @@ impl CustomOp3 for ArgminMatmul {
             .as_cuda_slice::<f32>()?
             .slice(bias_layout.start_offset()..);
         let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
-            cuda::launch(dev, a, b, &bias, &av, &bv, self.scale)?
+            cuda::launch(dev, a, b, &bias, &av, &bv, self.mode, self.scale)?
         });
         Ok((out, shape))
     }

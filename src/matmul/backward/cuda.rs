@@ -11,6 +11,8 @@ struct SpanArgs {
     spans_batch_stride: i64,
     by_cols: i32,
 }
+// `SpanArgs` in src/cuda/matmul.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<SpanArgs>() == 16);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for SpanArgs {}
 
@@ -22,6 +24,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     (av, bv): (&MatView, &MatView),
     spans_batch_stride: usize,
     by_cols: bool,
+    mode: crate::F32Matmul,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
     let out = alloc_output::<T>(dev, batch * m * n)?;
@@ -33,8 +36,14 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
             by_cols: by_cols as i32,
         };
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
-        let (kernel, cfg) =
-            core_launch::<T>(dev, "masked_bmm backward", "span_matmul", &problem, blocks)?;
+        let (kernel, cfg) = core_launch::<T>(
+            dev,
+            "masked_bmm backward",
+            "span_matmul",
+            &problem,
+            mode,
+            blocks,
+        )?;
         // SAFETY: arguments match `span_matmul_*(a, b, spans, out, Problem, SpanArgs)`; the
         // spans hold a pair per output tile along the spanned dim (checked by the caller)
         // and the kernel clamps each span to the reduction length.

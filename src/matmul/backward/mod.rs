@@ -8,7 +8,7 @@
 //! over its span alone. On a causal mask that halves the work; on a mask with holes inside a span
 //! the zeros of the masked gradient keep the result exact.
 
-use crate::matmul::core::{cpu_block_product, CpuGemm, MatView, TILE};
+use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -55,7 +55,14 @@ pub(crate) fn tile_spans(states: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `a . b` for `a` `[batch, m, r]` and `b` `[batch, r, n]` where output tile `t` (row tiles, or
 /// column tiles when `by_cols`) reduces only over its span of `TILE`-wide blocks of `r`:
 /// `spans` u32 `[1 or batch, tiles, 2]` from [`tile_spans`].
-pub(crate) fn span_matmul(a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool) -> Result<Tensor> {
+/// `mode` is the f32 mode on CUDA (the forward call's).
+pub(crate) fn span_matmul(
+    a: &Tensor,
+    b: &Tensor,
+    spans: &Tensor,
+    by_cols: bool,
+    mode: F32Matmul,
+) -> Result<Tensor> {
     let (batch, m, _) = a.dims3()?;
     let n = b.dim(2)?;
     let (span_batch, tiles, _) = spans.dims3()?;
@@ -69,6 +76,7 @@ pub(crate) fn span_matmul(a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool)
     let op = SpanMatmul {
         spans: spans.contiguous()?,
         by_cols,
+        mode,
     };
     let operand = |t: &Tensor| -> Result<Tensor> {
         if MatView::from_layout(t.layout()).is_some() {
@@ -91,6 +99,8 @@ pub(crate) fn span_matmul(a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool)
 struct SpanMatmul {
     spans: Tensor,
     by_cols: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    mode: F32Matmul,
 }
 
 impl SpanMatmul {
@@ -231,7 +241,16 @@ impl CustomOp2 for SpanMatmul {
         let stride = self.spans_batch_stride(av.batch)?;
         let dev = &a.device;
         let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
-            cuda::launch(dev, a, b, &spans, (&av, &bv), stride, self.by_cols)?
+            cuda::launch(
+                dev,
+                a,
+                b,
+                &spans,
+                (&av, &bv),
+                stride,
+                self.by_cols,
+                self.mode,
+            )?
         });
         Ok((out, shape))
     }

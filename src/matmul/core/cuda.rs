@@ -15,13 +15,14 @@ pub(crate) fn core_launch<T: WithDType>(
     op: &str,
     base: &str,
     problem: &ProblemArgs,
+    mode: super::F32Matmul,
     blocks: usize,
 ) -> candle_core::Result<(crate::cuda::Kernel, LaunchConfig)> {
     use crate::cuda::{Kernel, Module};
     if blocks > i32::MAX as usize {
         candle_core::bail!("{op}: too many output tiles ({blocks})");
     }
-    let (name, is_async) = core_kernel_name::<T>(base, problem);
+    let (name, is_async) = core_kernel_name::<T>(base, problem, mode);
     let kernel = Kernel::load(dev, Module::Matmul, &name)?;
     let shared_mem_bytes = if is_async {
         kernel.allow_dynamic_shared(ASYNC_SHARED_BYTES)?;
@@ -39,14 +40,18 @@ pub(crate) fn core_launch<T: WithDType>(
 
 /// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`, and whether it is one of the
 /// async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
-/// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by [`super::f32_matmul`]:
+/// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by `mode`:
 /// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
 /// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
-fn core_kernel_name<T: WithDType>(base: &str, problem: &ProblemArgs) -> (String, bool) {
+fn core_kernel_name<T: WithDType>(
+    base: &str,
+    problem: &ProblemArgs,
+    mode: super::F32Matmul,
+) -> (String, bool) {
     use super::F32Matmul;
     let copyable = problem.copyable(T::DTYPE.size_in_bytes())
         && crate::cuda::tuning("FASTOPS_MATMUL_ASYNC").unwrap_or(1) != 0;
-    let variant = match (T::DTYPE, super::f32_matmul(), copyable) {
+    let variant = match (T::DTYPE, mode, copyable) {
         (DType::F32, F32Matmul::Fma, _) | (DType::F32, F32Matmul::Compensated, false) => "",
         (DType::F32, F32Matmul::Compensated, true) => "_tf32x3",
         (DType::F32, F32Matmul::Tf32, true) => "_tf32",
@@ -71,6 +76,8 @@ pub(crate) struct OperandArgs {
     mode: i32,
     vectorised: i32,
 }
+// `Operand` in src/cuda/matmul.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<OperandArgs>() == 32);
 
 impl OperandArgs {
     /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
@@ -122,6 +129,8 @@ pub(crate) struct ProblemArgs {
     n: i64,
     k: i64,
 }
+// `Problem` in src/cuda/matmul.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<ProblemArgs>() == 96);
 
 // SAFETY: plain-old-data structs laid out as their C mirrors.
 unsafe impl DeviceRepr for ProblemArgs {}

@@ -35,8 +35,9 @@ pub enum F32Matmul {
 
 static F32_MATMUL: AtomicU8 = AtomicU8::new(0);
 
-/// Sets how f32 products run on CUDA (process-wide, like
-/// `torch.set_float32_matmul_precision`); see [`F32Matmul`].
+/// Sets how f32 products run on CUDA by default (process-wide, like
+/// `torch.set_float32_matmul_precision`); see [`F32Matmul`]. A call's [`MatmulOptions`]
+/// override it, which is what code running beside other threads should use.
 ///
 /// ```
 /// use candle_fastops::{f32_matmul, set_f32_matmul, F32Matmul};
@@ -82,6 +83,41 @@ pub fn set_matmul_tf32(on: bool) {
 /// Whether f32 products run in TF32 ([`F32Matmul::Tf32`]).
 pub fn matmul_tf32() -> bool {
     f32_matmul() == F32Matmul::Tf32
+}
+
+/// Per-call options of the matmul family ([`crate::masked_bmm_with`], [`crate::argmin_matmul_with`]).
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_fastops::{F32Matmul, MatmulOptions};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
+/// let causal = Tensor::tril2(5, DType::U8, &dev)?;
+/// let fma = MatmulOptions::with_f32(F32Matmul::Fma); // this call only, whatever the global
+/// let scores = candle_fastops::masked_bmm_with(&q, &k.t()?, &causal, f64::NEG_INFINITY, None, &fma)?;
+/// assert_eq!(scores.dims(), [2, 5, 5]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatmulOptions {
+    /// How f32 products run on CUDA; `None` (default) follows [`set_f32_matmul`]. The CPU always
+    /// computes in f32 (f64 for f64).
+    pub f32_mode: Option<F32Matmul>,
+}
+
+impl MatmulOptions {
+    /// Options with the given f32 mode.
+    pub fn with_f32(mode: F32Matmul) -> Self {
+        Self {
+            f32_mode: Some(mode),
+        }
+    }
+
+    /// The f32 mode this call uses: its own, else the process-wide one.
+    pub(crate) fn resolved_f32(&self) -> F32Matmul {
+        self.f32_mode.unwrap_or_else(f32_matmul)
+    }
 }
 
 /// Output tile edge of the CUDA kernels, and the tile a [`crate::MaskPlan`] summarises.

@@ -12,6 +12,8 @@ struct MaskArgs {
     plan_batch_stride: i64,
     fill: f32,
 }
+// `MaskArgs` in src/cuda/matmul.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<MaskArgs>() == 24);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for MaskArgs {}
 
@@ -23,6 +25,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     states: &CudaView<'_, u8>,
     dims: &Dims,
     fill: f64,
+    mode: crate::F32Matmul,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
     let out = alloc_output::<T>(dev, batch * m * n)?;
@@ -42,7 +45,8 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
         let problem = ProblemArgs::new(&dims.a, &dims.b);
         let a = a.slice(dims.a.start..);
         let b = b.slice(dims.b.start..);
-        let (kernel, cfg) = core_launch::<T>(dev, "masked_bmm", "masked_bmm", &problem, blocks)?;
+        let (kernel, cfg) =
+            core_launch::<T>(dev, "masked_bmm", "masked_bmm", &problem, mode, blocks)?;
         // SAFETY: arguments match `masked_bmm_*(a, b, mask, plan, out, Problem, MaskArgs)`;
         // the kernel bounds every access by the problem's sizes and strides, which come
         // from the operands' layouts.

@@ -8,7 +8,7 @@
 
 use crate::dispatch::check_float_operands;
 use crate::matmul::backward::{span_matmul, tile_spans};
-use crate::matmul::core::{cpu_block_product, CpuGemm, MatView, TILE};
+use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, MatmulOptions, TILE};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
@@ -145,9 +145,7 @@ impl MaskPlan {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn masked_bmm(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64) -> Result<Tensor> {
-    check_args(a, b, mask)?;
-    let plan = MaskPlan::new(mask)?;
-    masked_bmm_with_plan(a, b, mask, &plan, fill)
+    masked_bmm_with(a, b, mask, fill, None, &MatmulOptions::default())
 }
 
 /// [`masked_bmm`] with a [`MaskPlan`] built earlier from the same mask.
@@ -158,7 +156,28 @@ pub fn masked_bmm_with_plan(
     plan: &MaskPlan,
     fill: f64,
 ) -> Result<Tensor> {
+    masked_bmm_with(a, b, mask, fill, Some(plan), &MatmulOptions::default())
+}
+
+/// [`masked_bmm`] with an optional [`MaskPlan`] (built here when `None`) and per-call options
+/// (the f32 mode on CUDA, used by the backward products too).
+pub fn masked_bmm_with(
+    a: &Tensor,
+    b: &Tensor,
+    mask: &Tensor,
+    fill: f64,
+    plan: Option<&MaskPlan>,
+    options: &MatmulOptions,
+) -> Result<Tensor> {
     check_args(a, b, mask)?;
+    let built;
+    let plan = match plan {
+        Some(plan) => plan,
+        None => {
+            built = MaskPlan::new(mask)?;
+            &built
+        }
+    };
     if plan.mask_dims != mask.dims() {
         bail!(
             "{OP}: the plan was built for a mask of shape {:?}, the mask is {:?}",
@@ -180,6 +199,7 @@ pub fn masked_bmm_with_plan(
     let op = MaskedBmm {
         fill,
         plan: plan.clone(),
+        mode: options.resolved_f32(),
     };
     if a.device().is_cpu() && matches!(a.dtype(), DType::F16 | DType::BF16) {
         // The CPU product runs in f32 for half types: widen once, narrow the result once.
@@ -276,6 +296,8 @@ impl Dims {
 struct MaskedBmm {
     fill: f64,
     plan: MaskPlan,
+    /// The f32 mode on CUDA, resolved at the call (the backward uses it too).
+    mode: F32Matmul,
 }
 
 impl MaskedBmm {
@@ -423,7 +445,7 @@ impl CustomOp3 for MaskedBmm {
         let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
         let mask = mask.as_cuda_slice::<u8>()?.slice(dims.mask_start..);
         let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
-            cuda::launch(dev, a, b, &mask, &states, &dims, self.fill)?
+            cuda::launch(dev, a, b, &mask, &states, &dims, self.fill, self.mode)?
         });
         Ok((out, dims.out_shape()))
     }
@@ -442,8 +464,8 @@ impl CustomOp3 for MaskedBmm {
         // Only the spans of non-empty mask tiles contribute: along the mask's columns for
         // grad_a (per row tile), along its rows for grad_b (per column tile).
         let (row_spans, col_spans) = self.plan.spans()?;
-        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, row_spans, false)?;
-        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, col_spans, true)?;
+        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, row_spans, false, self.mode)?;
+        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, col_spans, true, self.mode)?;
         Ok((Some(grad_a), Some(grad_b), None))
     }
 }

@@ -80,6 +80,8 @@ pub(super) struct Decays {
     pub adafactor: [f32; 3],
     pub pad: f32,
 }
+// `Decays` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Decays>() == 32);
 
 /// Pass 1 over `t` (holding the previous accumulators): the updated accumulators as `[planes,
 /// n]` (momentum 0..3, rms, then for vectors the 3 Adafactor accumulators) and the sums over the
@@ -114,6 +116,8 @@ pub(super) struct Hyper {
     pub lr: f32,
     pub weight_decay: f32,
 }
+// `Hyper` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Hyper>() == 16);
 
 /// The new parameter values (flat f32) from pass 1's feature `sums` of squares (`[28]`) and the
 /// packed MLP; the per-tensor norms `1 / sqrt(sum / n + 1e-5)` are taken inside the pass.

@@ -33,12 +33,14 @@ const TILE_MIN_COLS: usize = 512;
 /// A per-tensor divisor: [`FastDiv`]'s multiply-high for 32-bit dividends, the plain 64-bit
 /// divisor for tensors of 2^32 elements or more (`wide`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct Divisor {
     d: u64,
     magic: u32,
     shift: u32,
 }
+// `Divisor` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Divisor>() == 16);
 
 impl Divisor {
     fn new(d: usize) -> Self {
@@ -61,7 +63,7 @@ impl Divisor {
 
 /// Mirrors `LoptMeta` in the kernels.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct LoptMeta {
     n: u64,
     elem: u64,
@@ -87,11 +89,13 @@ struct LoptMeta {
     tiled: u32,
     pad: u32,
 }
+// `LoptMeta` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<LoptMeta>() == 208);
 
 /// Mirrors `SumTile` in the kernels: rows `row_start..row_start + rows` and columns
 /// `col_start..col_start + TILE_COLS` of a 2-D gradient with `cols` columns.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct SumTile {
     tensor: u32,
     rows: u32,
@@ -102,14 +106,18 @@ struct SumTile {
     rows_into_col_sum: u32,
     pad: u32,
 }
+// `SumTile` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<SumTile>() == 32);
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct Chunk {
     tensor: u32,
     pad: u32,
     start: u64,
 }
+// `Chunk` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Chunk>() == 16);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +125,8 @@ struct StepTensors {
     grad: [u64; GROUP],
     param: [u64; GROUP],
 }
+// `StepTensors` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<StepTensors>() == 2048);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -132,6 +142,8 @@ struct Buffers {
     batch_sum: u64,
     feat_sum: u64,
 }
+// `Buffers` in src/cuda/small_fc_lopt.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Buffers>() == 80);
 
 // SAFETY: plain data with the C layout the kernels expect.
 unsafe impl DeviceRepr for StepTensors {}
@@ -200,12 +212,10 @@ pub(super) struct DeviceState {
     groups: Vec<Group>,
 }
 
-/// Uploads `items` (repr(C) structs of 8-byte multiple size) as a u32 tensor.
-fn upload<T: Copy>(items: &[T], dev: &Device) -> Result<Tensor> {
-    let words = std::mem::size_of_val(items) / 4;
-    // SAFETY: T is plain data of a size that is a multiple of 4 bytes (and at least 4-aligned),
-    // so its bytes read as `words` u32 values.
-    let data = unsafe { std::slice::from_raw_parts(items.as_ptr() as *const u32, words) }.to_vec();
+/// Uploads `items` (padding-free repr(C) structs) as a u32 tensor.
+fn upload<T: bytemuck::Pod>(items: &[T], dev: &Device) -> Result<Tensor> {
+    let data: Vec<u32> = bytemuck::cast_slice::<T, u32>(items).to_vec();
+    let words = data.len();
     if data.is_empty() {
         return Tensor::zeros(1, DType::U32, dev);
     }
