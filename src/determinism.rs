@@ -1,18 +1,30 @@
-//! A process-wide switch for deterministic algorithms, in the spirit of PyTorch's
+//! The process-wide default for deterministic algorithms, in the spirit of PyTorch's
 //! `torch.use_deterministic_algorithms`: ops whose fast GPU path sums in an order that varies from
-//! run to run (atomic additions) switch to an ordered one while it is on.
+//! run to run (atomic additions) switch to an ordered one while it is on. Per-call options
+//! override it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
 
-/// Makes every op of this crate produce bit-identical results from run to run on the same inputs
-/// and device (off by default). Today it changes one thing: the CUDA backward pass of
-/// [`crate::sparse_linear`] / [`crate::sparse_linear_pair`], which otherwise adds into the weight
-/// gradient with atomics. In deterministic mode that backward reads the feature indices on the
-/// host (one device-to-host copy, so one synchronisation per backward), sorts them by feature
-/// keeping batch order, and sums each gradient row in that order on the GPU without atomics.
-/// CPU paths are always deterministic.
+/// The process-wide default for the ops whose fast GPU path is not bit-reproducible (off by
+/// default); a call's own options override it ([`crate::SparseLinearOptions::deterministic`]).
+///
+/// Run to run on the same inputs and device, these give identical bits whatever this switch
+/// says: every CPU path; on CUDA the forward and backward of [`crate::bias_add`] and
+/// [`crate::softmax_dims`] / [`crate::log_softmax_dims`], [`crate::masked_bmm`] (forward and
+/// backward), [`crate::argmin_matmul`] / [`crate::kmeans_assign`], and the forward of
+/// [`crate::sparse_linear`] / [`crate::sparse_linear_pair`] (no atomics: each output element
+/// is summed by one thread in a fixed order).
+///
+/// What this switch changes: the CUDA backward of [`crate::sparse_linear`] /
+/// [`crate::sparse_linear_pair`], which otherwise adds into the weight gradient with atomics.
+/// Deterministic, it reads the feature indices on the host (one synchronisation per backward),
+/// sorts them by feature keeping batch order and sums each gradient row in that order.
+///
+/// Not covered: the CUDA step of [`crate::optim::SmallFcLOpt`] sums its per-tensor feature
+/// norms with float atomics, so its results can differ in the last bits from run to run (the
+/// CPU step is deterministic).
 ///
 /// ```
 /// candle_fastops::set_deterministic(true);

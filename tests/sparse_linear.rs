@@ -2,8 +2,8 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
-    check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_with,
-    FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
+    check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_pair_with,
+    sparse_linear_with, FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
 };
 use candle_nn::Optimizer;
 use common::*;
@@ -293,6 +293,7 @@ fn check_backward(
     out: usize,
     with_values: bool,
     salt: u64,
+    options: &SparseLinearOptions,
 ) -> Result<()> {
     let (n, num_inputs) = (37, 53);
     let white = Batch::random(n, 32, num_inputs, salt);
@@ -310,7 +311,7 @@ fn check_backward(
     let (wv, bv) = (white.values(dev)?, black.values(dev)?);
     let ys = if pair {
         let (wi, bi) = (white.indices(dev)?, black.indices(dev)?);
-        sparse_linear_pair(
+        sparse_linear_pair_with(
             SparseFeatures {
                 indices: &wi,
                 values: with_values.then_some(&wv),
@@ -322,14 +323,15 @@ fn check_backward(
             &Tensor::from_vec(stm.clone(), n, dev)?,
             &weight,
             &bias,
+            options,
         )?
     } else {
-        sparse_linear(
-            &white.indices(dev)?,
-            with_values.then_some(&wv),
-            &weight,
-            &bias,
-        )?
+        let wi = white.indices(dev)?;
+        let features = SparseFeatures {
+            indices: &wi,
+            values: with_values.then_some(&wv),
+        };
+        sparse_linear_with(features, &weight, &bias, options)?
     };
     let grads = (ys * &r)?.sum_all()?.backward()?;
     let gw = grads.get(&weight).expect("weight gradient");
@@ -376,7 +378,7 @@ fn backward_matches_reference() {
             for &out in &[1usize, 7, 256, 1031, 3072, 13000] {
                 for pair in [false, true] {
                     salt += 10;
-                    check_backward(dev, dtype, pair, out, pair, salt)?;
+                    check_backward(dev, dtype, pair, out, pair, salt, &Default::default())?;
                 }
             }
         }
@@ -539,14 +541,21 @@ fn bad_inputs_are_clear_errors() {
     });
 }
 
-/// Weight and bias gradients of sum(y * r) as flat vectors.
+/// The deterministic backward, asked for per call (the process-wide switch stays off: other
+/// tests of this binary run beside these).
+const DETERMINISTIC: SparseLinearOptions = SparseLinearOptions {
+    index_check: IndexCheck::AtCall,
+    deterministic: Some(true),
+};
+
+/// Weight and bias gradients of sum(y * r) (deterministic backward) as flat vectors.
 fn grads_of(
     indices: &Tensor,
     weight: &Var,
     bias: &Var,
     r: &Tensor,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let ys = sparse_linear(indices, None, weight, bias)?;
+    let ys = sparse_linear_with(SparseFeatures::new(indices), weight, bias, &DETERMINISTIC)?;
     let grads = (ys * r)?.sum_all()?.backward()?;
     Ok((
         to_f64(grads.get(weight).expect("weight gradient"))?,
@@ -556,14 +565,13 @@ fn grads_of(
 
 #[test]
 fn deterministic_backward_is_correct_and_repeatable() {
-    candle_fastops::set_deterministic(true);
     for_each_device(|dev| {
         let mut salt = 9000;
         for dtype in float_dtypes(dev) {
             for &out in &[7usize, 256, 1031] {
                 for pair in [false, true] {
                     salt += 10;
-                    check_backward(dev, dtype, pair, out, true, salt)?;
+                    check_backward(dev, dtype, pair, out, true, salt, &DETERMINISTIC)?;
                 }
             }
         }
@@ -597,5 +605,4 @@ fn deterministic_backward_is_correct_and_repeatable() {
         }
         Ok(())
     });
-    candle_fastops::set_deterministic(false);
 }
