@@ -37,6 +37,7 @@ mod cuda {
 
     pub fn build_ptx() {
         println!("cargo:rerun-if-changed={KERNEL_DIR}");
+        println!("cargo:rerun-if-env-changed=CARGO_FEATURE_TUNING");
         println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
         if !nvcc_available() {
             panic!(
@@ -67,10 +68,15 @@ mod cuda {
             println!("cargo:rerun-if-changed={}", path.display());
         }
 
-        let bindings = bindgen_cuda::Builder::default()
+        let mut builder = bindgen_cuda::Builder::default()
             .kernel_paths(kernels)
             .include_paths(headers)
-            .arg("-std=c++17")
+            .arg("-std=c++17");
+        // Bench-only kernel variants are compiled with the `tuning` feature only.
+        if std::env::var_os("CARGO_FEATURE_TUNING").is_some() {
+            builder = builder.arg("-DFASTOPS_TUNING");
+        }
+        let bindings = builder
             .arg("-O3")
             .arg("--use_fast_math")
             .arg("-lineinfo")

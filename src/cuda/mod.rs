@@ -104,7 +104,15 @@ impl Kernel {
 }
 
 /// A launch parameter forced through the environment for tuning runs (`benches/` sweeps), read
-/// once per name; `None` when unset or unparsable.
+/// once per name; `None` when unset or unparsable, and always `None` without the `tuning` cargo
+/// feature (release builds read no environment variable that changes what the ops compute).
+#[cfg(not(feature = "tuning"))]
+pub(crate) fn tuning(_name: &'static str) -> Option<u32> {
+    None
+}
+
+/// See the other cfg of this function.
+#[cfg(feature = "tuning")]
 pub(crate) fn tuning(name: &'static str) -> Option<u32> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};

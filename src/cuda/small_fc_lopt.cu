@@ -847,10 +847,13 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
         const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{weights, tiles[threadIdx.x >> 5]};                            \
         update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);                              \
     }
+LOPT_UPDATE_MMA(1, 1)
+#ifdef FASTOPS_TUNING
+// Accuracy / speed studies only (`--features tuning`, FASTOPS_LOPT_SPLIT): fewer split layers.
 LOPT_UPDATE_MMA(0, 0)
 LOPT_UPDATE_MMA(0, 1)
 LOPT_UPDATE_MMA(1, 0)
-LOPT_UPDATE_MMA(1, 1)
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_fma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
