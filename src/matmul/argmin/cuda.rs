@@ -47,7 +47,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let wanted = 4 * BLOCKS_PER_SM * sm_count(dev)? as usize;
     let col_groups = wanted.div_ceil(batch * row_tiles).clamp(1, col_tiles);
     let blocks = batch * row_tiles * col_groups;
-    let problem = ProblemArgs::new(av, bv);
+    let problem = ProblemArgs::new(av, bv, a.len(), b.len());
     let argmin_args = ArgminArgs {
         col_groups: col_groups as i64,
         scale,

@@ -30,7 +30,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let out = alloc_output::<T>(dev, batch * m * n)?;
     let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
     if blocks > 0 {
-        let problem = ProblemArgs::new(av, bv);
+        let problem = ProblemArgs::new(av, bv, a.len(), b.len());
         let args = SpanArgs {
             spans_batch_stride: 2 * spans_batch_stride as i64,
             by_cols: by_cols as i32,

@@ -81,8 +81,20 @@ const _: () = assert!(std::mem::size_of::<OperandArgs>() == 32);
 
 impl OperandArgs {
     /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
-    /// elements relative to the view's start.
-    fn new(view: &MatView, outer_stride: usize, k_stride: usize, outer_len: usize) -> Self {
+    /// elements relative to the view's start, in a buffer of `buffer_len` elements.
+    ///
+    /// The vector paths read whole aligned runs of `group` elements (16-byte `cp.async`
+    /// copies, 16-byte loads), masking the elements past the operand's edge. A run is only
+    /// allowed where it stays inside the buffer: an operand whose last run would reach past
+    /// the buffer's end (a single unaligned row at the end of its allocation, e.g. `[7, 1]`
+    /// f32) takes the scalar path, so no access ever leaves the allocation.
+    fn new(
+        view: &MatView,
+        outer_stride: usize,
+        k_stride: usize,
+        outer_len: usize,
+        buffer_len: usize,
+    ) -> Self {
         // Whether runs of `group` elements along the contiguous dim, starting at multiples
         // of `group`, are aligned to `group` elements (4: the FMA / TF32 cores' vector
         // loads; 8: the 16-bit core's 16-byte copies of 2-byte elements).
@@ -102,12 +114,14 @@ impl OperandArgs {
         } else {
             STRIDED
         };
+        let end = view.end();
+        let runs_fit = |group: usize| end.next_multiple_of(group) <= buffer_len;
         let vectorised = if mode == STRIDED {
             0
-        } else if aligned_to(8) {
+        } else if aligned_to(8) && runs_fit(8) {
             2
         } else {
-            aligned_to(4) as i32
+            (aligned_to(4) && runs_fit(4)) as i32
         };
         Self {
             batch_stride: view.batch_stride as i64,
@@ -144,10 +158,11 @@ impl ProblemArgs {
     }
 
     /// `a` `[batch, m, k]` times `b` `[batch, k, n]`; a broadcast `b` has batch stride 0.
-    pub(crate) fn new(a: &MatView, b: &MatView) -> Self {
+    /// `a_len` / `b_len` are the element counts of the buffers the views index.
+    pub(crate) fn new(a: &MatView, b: &MatView, a_len: usize, b_len: usize) -> Self {
         Self {
-            a: OperandArgs::new(a, a.row_stride, a.col_stride, a.rows),
-            b: OperandArgs::new(b, b.col_stride, b.row_stride, b.cols),
+            a: OperandArgs::new(a, a.row_stride, a.col_stride, a.rows, a_len),
+            b: OperandArgs::new(b, b.col_stride, b.row_stride, b.cols, b_len),
             batch: a.batch as i64,
             m: a.rows as i64,
             n: b.cols as i64,

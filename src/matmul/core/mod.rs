@@ -176,6 +176,15 @@ impl MatView {
         })
     }
 
+    /// One past the largest element offset the view reaches (its start when it is empty).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn end(&self) -> usize {
+        if self.batch == 0 || self.rows == 0 || self.cols == 0 {
+            return self.start;
+        }
+        self.offset(self.batch - 1, self.rows - 1, self.cols - 1) + 1
+    }
+
     /// Element offset of `(batch, row, col)`; `batch` wraps to 0 for a broadcast view.
     pub(crate) fn offset(&self, batch: usize, row: usize, col: usize) -> usize {
         self.start + batch * self.batch_stride + row * self.row_stride + col * self.col_stride

@@ -42,7 +42,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
             },
             fill: fill as f32,
         };
-        let problem = ProblemArgs::new(&dims.a, &dims.b);
+        let problem = ProblemArgs::new(&dims.a, &dims.b, a.len(), b.len());
         let a = a.slice(dims.a.start..);
         let b = b.slice(dims.b.start..);
         let (kernel, cfg) =
