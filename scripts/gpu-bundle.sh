@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries and the bench in release mode and packs them, xz-compressed, with
-# a run.sh into target/gpu-bundle/ (carry that folder to a GPU machine that has no Rust):
+# Builds the CUDA test binaries, examples and the bench in release mode and packs them,
+# xz-compressed, with the scripts below into target/gpu-bundle/ (carry that folder to a GPU
+# machine that has no Rust):
 #
-#     scripts/gpu-bundle.sh [NAME...]     # NAME: binaries to pack (e.g. test-sparse_linear bench-ops);
+#     scripts/gpu-bundle.sh [NAME...]     # NAME: binaries to pack (e.g. test-ops bench-ops);
 #                                         # all tests, examples and the bench when none is given
+#     GPU_BUNDLE_FEATURES=cuda,tuning scripts/gpu-bundle.sh bench-ops   # for sweep.sh
 #     # on the GPU machine, from the repository root:
 #     bash target/gpu-bundle/run.sh OUTDIR [bench filters...]
+#     bash target/gpu-bundle/sanitize.sh OUTDIR [TOOL...]   # compute-sanitizer over every test binary
 #
 # run.sh unpacks, finds the CUDA libraries on that machine, runs every GPU test (one thread, so
 # output stays readable), the examples and the bench, and writes tests.log, bench.log, ops.jsonl and
-# nvidia-smi.txt into OUTDIR. It exits non-zero when a test fails.
+# nvidia-smi.txt into OUTDIR. It exits non-zero when a test fails. sanitize.sh runs every test
+# binary under memcheck, racecheck, initcheck and synccheck (the tools in parallel, instrumenting
+# only this crate's kernels, heavy tests shrunk by FASTOPS_TEST_LIGHT=1) and prints one summary
+# line per tool and binary (OUTDIR/sanitize.txt, full logs beside it).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -20,7 +26,8 @@ rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
 echo "gpu-bundle: building tests and bench (release, --features cuda)" >&2
-cargo build --release --features cuda --tests --benches --examples --message-format=json-render-diagnostics \
+features=${GPU_BUNDLE_FEATURES:-cuda}
+cargo build --release --features "$features" --tests --benches --examples --message-format=json-render-diagnostics \
     > "$bundle/cargo.json"
 python3 - "$bundle" "$@" <<'PY'
 import json, os, shutil, sys
@@ -107,7 +114,8 @@ chmod +x "$bundle/run.sh"
 cat > "$bundle/sweep.sh" <<'SWEEP'
 #!/usr/bin/env bash
 # Tuning runs: sweep.sh OUTDIR "VAR=a" "VAR=b OTHER=c" ... runs the bench once per setting (bench
-# filter from $FILTER), appending the rows to OUTDIR/sweep.log and OUTDIR/sweep.jsonl.
+# filter from $FILTER), appending the rows to OUTDIR/sweep.log and OUTDIR/sweep.jsonl. The FASTOPS_*
+# overrides exist only in a bundle built with GPU_BUNDLE_FEATURES=cuda,tuning.
 out=${1:?usage: sweep.sh OUTDIR SETTING...}
 shift
 mkdir -p "$out"
@@ -122,6 +130,58 @@ done
 rm -rf "$work"
 SWEEP
 chmod +x "$bundle/sweep.sh"
+cat > "$bundle/sanitize.sh" <<'SAN'
+#!/usr/bin/env bash
+# compute-sanitizer over every bundled test binary: sanitize.sh OUTDIR [TOOL...] (default: memcheck
+# racecheck initcheck synccheck, run side by side). Only this crate's kernels are instrumented
+# (candle's own kernels run uninstrumented), and FASTOPS_TEST_LIGHT=1 shrinks the heaviest tests.
+# Writes OUTDIR/sanitize.txt (one line per tool and binary: exit status, the tool's summary, the
+# test result) and OUTDIR/san-TOOL-BINARY.log; exits non-zero when any tool reports or a test fails.
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${1:?usage: sanitize.sh OUTDIR [TOOL...]}
+shift
+tools=${*:-memcheck racecheck initcheck synccheck}
+mkdir -p "$out"
+work=$(mktemp -d)
+for f in "$here"/bin/test-*.xz; do
+    name=$(basename "${f%.xz}")
+    xz -dc "$f" > "$work/$name" && chmod +x "$work/$name"
+done
+source "$here/libs.sh"
+san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitizer -type f 2>/dev/null | head -n1)
+[ -n "$san" ] || { echo "sanitize.sh: no compute-sanitizer"; exit 2; }
+kernels='bias_add|softmax|sparse_linear|lopt_|masked_bmm|argmin_matmul|span_matmul'
+filter=()
+if "$san" --help 2>&1 | grep -q -- '--kernel-regex'; then
+    filter=(--kernel-regex "kns=$kernels")
+fi
+export FASTOPS_TEST_LIGHT=1
+run_tool() {
+    local tool=$1 t=$2 name log extra=()
+    name=$(basename "$t")
+    log="$out/san-$tool-$name.log"
+    [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+    (cd "$here/../.." && timeout "${SAN_TIMEOUT:-1500}" "$san" --tool "$tool" "${filter[@]}" "${extra[@]}" \
+        --error-exitcode 9 "$t" --test-threads="${SAN_THREADS:-4}") > "$log" 2>&1
+    local rc=$?
+    local summary result
+    summary=$(grep -E '(ERROR|RACECHECK|INITCHECK|SYNCCHECK) SUMMARY' "$log" | tail -n1 | sed 's/^========= //')
+    result=$(grep -E '^test result' "$log" | tail -n1)
+    printf '%-9s %-26s exit %-3s | %s | %s\n' "$tool" "$name" "$rc" "${summary:-no summary}" "${result:-no test result}"
+}
+: > "$out/sanitize.txt"
+for tool in $tools; do
+    for t in "$work"/test-*; do
+        run_tool "$tool" "$t" >> "$out/sanitize.txt" &
+    done
+done
+wait
+sort -o "$out/sanitize.txt" "$out/sanitize.txt"
+cat "$out/sanitize.txt"
+rm -rf "$work"
+if grep -qv ' exit 0 ' "$out/sanitize.txt"; then exit 1; fi
+SAN
+chmod +x "$bundle/sanitize.sh"
 cat > "$bundle/profile.sh" <<'PROFILE'
 #!/usr/bin/env bash
 # Kernel durations with Nsight Compute: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [bench filters...]

@@ -1,13 +1,12 @@
 //! masked_bmm and argmin_matmul (one tiled matmul core) against f64 references and candle's
 //! composed ops, on every device and dtype.
-mod common;
 
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
     argmin_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm, masked_bmm_with_plan,
     MaskPlan,
 };
-use common::*;
 use rand::Rng;
 
 #[derive(Debug, Clone, Copy)]

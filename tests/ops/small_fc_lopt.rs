@@ -1,10 +1,8 @@
-mod common;
-
+use crate::common::*;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::optim::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};
 use candle_nn::Optimizer;
-use common::*;
 use std::collections::HashMap;
 
 const GOLDEN: &str = concat!(
@@ -507,7 +505,8 @@ fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
 fn many_tensors_of_every_rank_match_the_reference() -> Result<()> {
     for_each_device(|dev| {
         let mut r = rng(77);
-        let count = if dev.is_cuda() { 300 } else { 140 };
+        // More than one launch group (128 tensors) either way; 300 spans three on CUDA.
+        let count = if dev.is_cuda() && !light() { 300 } else { 140 };
         let shapes: Vec<(Vec<usize>, DType)> = (0..count)
             .map(|i| {
                 use rand::Rng;

@@ -1,14 +1,13 @@
 //! The f32 modes of masked_bmm / argmin_matmul on CUDA, chosen per call with `MatmulOptions`:
 //! compensated (three TF32 passes, the default), plain FMA and TF32. One test checks that the
 //! process-wide default (`set_f32_matmul`) is what a call without a mode follows.
-mod common;
 
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_fastops::{
     argmin_matmul_with, f32_matmul, masked_bmm, masked_bmm_with, matmul_tf32, set_f32_matmul,
     set_matmul_tf32, F32Matmul, MatmulOptions,
 };
-use common::*;
 
 /// `masked_bmm` with the given f32 mode for this call only.
 fn masked_in(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64, mode: F32Matmul) -> Result<Tensor> {

@@ -1,8 +1,6 @@
-mod common;
-
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{bias_add, bias_add_};
-use common::*;
 
 /// f64 reference: `xs[.., i, ..] + bias[i]` along `dim`, in row-major order.
 fn reference(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Vec<f64>> {

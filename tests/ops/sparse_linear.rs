@@ -1,12 +1,10 @@
-mod common;
-
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
     check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_pair_with,
     sparse_linear_with, FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
 };
 use candle_nn::Optimizer;
-use common::*;
 use rand::Rng;
 
 /// A random batch of feature rows: each row has a random number of active features (some rows

@@ -6,6 +6,13 @@ use candle_core::{DType, Device, Result, Tensor};
 use rand::{Rng, SeedableRng};
 use std::sync::OnceLock;
 
+/// Whether the heaviest tests should shrink their sizes (`FASTOPS_TEST_LIGHT=1`): the GPU
+/// bundle's sanitize mode sets it, since compute-sanitizer slows kernels by orders of magnitude.
+/// Light sizes still cover every code path the full ones do.
+pub fn light() -> bool {
+    std::env::var("FASTOPS_TEST_LIGHT").is_ok_and(|v| v == "1")
+}
+
 /// The devices every test runs on: the CPU, plus CUDA device 0 when the crate is built with
 /// `cuda` and a GPU is present. Prints once, clearly, when the GPU is skipped.
 pub fn devices() -> Vec<Device> {

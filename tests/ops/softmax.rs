@@ -1,8 +1,6 @@
-mod common;
-
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_fastops::{log_softmax_dims, softmax_dims};
-use common::*;
 
 /// f64 reference, independent of ReducePlan: each element's group is the row-major index of
 /// its kept coordinates.
