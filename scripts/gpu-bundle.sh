@@ -97,6 +97,13 @@ for t in "$work"/test-*; do
     (cd "$here/../.." && "$t" --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
     grep -E '^test result|SKIPPED|note:' "$out/tests.log" | tail -n 3
 done
+# The > 2^31-element tests (ignored by default: ~60 GB of GPU memory); SCALE=0 skips them.
+if [ -e "$work/test-ops" ] && [ "${SCALE:-1}" != 0 ]; then
+    echo "=== test-ops --ignored scale::" | tee -a "$out/tests.log"
+    (cd "$here/../.." && "$work/test-ops" --ignored scale:: --test-threads=1) >> "$out/tests.log" 2>&1 \
+        || { status=1; echo "FAILED: scale tests"; }
+    grep -E '^test result' "$out/tests.log" | tail -n 1
+fi
 for e in "$work"/example-*; do
     [ -e "$e" ] || continue
     echo "=== $(basename "$e")"

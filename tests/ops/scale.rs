@@ -1,0 +1,259 @@
+//! Past 2^31 elements: every op on an operand or output larger than `i32::MAX` elements, on the
+//! GPU, with rows sampled across the whole range (the last rows included, where 32-bit offsets
+//! would wrap) checked against an f64 reference on the CPU. They need a GPU with about 60 GB
+//! free and take seconds each, so they are `#[ignore]`d: the GPU bundle runs them with
+//! `--ignored scale::` (TESTING.md).
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+use candle_nn::Optimizer;
+use rand::Rng;
+
+const BIG: usize = 1 << 31;
+
+/// Row indices to check in `rows` rows: the first, the last, and some in between.
+fn sampled(rows: usize) -> Vec<usize> {
+    let mut r = vec![0, 1, rows / 3, rows / 2, rows - 2, rows - 1];
+    r.dedup();
+    r
+}
+
+/// Row `r` of `t` (along dim 0) on the CPU as f64.
+fn row(t: &Tensor, r: usize) -> Result<Vec<f64>> {
+    to_f64(&t.narrow(0, r, 1)?)
+}
+
+fn uniform(shape: &[usize], dev: &Device) -> Result<Tensor> {
+    Tensor::rand(-1f32, 1f32, shape, dev)
+}
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn bias_add_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (rows, cols) = (32769, 65536);
+    assert!(rows * cols > BIG);
+    let xs = uniform(&[rows, cols], &dev)?;
+    let bias = uniform(&[cols], &dev)?;
+    let ys = candle_fastops::bias_add(&xs, &bias, 1)?;
+    let b = to_f64(&bias)?;
+    for r in sampled(rows) {
+        let x = row(&xs, r)?;
+        let expected: Vec<f64> = x.iter().zip(&b).map(|(x, b)| x + b).collect();
+        assert_close(&row(&ys, r)?, &expected, 1e-6, &format!("bias_add row {r}"));
+    }
+    // In place, along the leading dim.
+    let bias0 = uniform(&[rows], &dev)?;
+    let before: Vec<Vec<f64>> = sampled(rows)
+        .into_iter()
+        .map(|r| row(&xs, r))
+        .collect::<Result<_>>()?;
+    candle_fastops::bias_add_(&xs, &bias0, 0)?;
+    let b0 = to_f64(&bias0)?;
+    for (r, x) in sampled(rows).into_iter().zip(before) {
+        let expected: Vec<f64> = x.iter().map(|x| x + b0[r]).collect();
+        assert_close(
+            &row(&xs, r)?,
+            &expected,
+            1e-6,
+            &format!("bias_add_ row {r}"),
+        );
+    }
+    Ok(())
+}
+
+fn softmax_reference(x: &[f64]) -> Vec<f64> {
+    let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let s: f64 = x.iter().map(|v| (v - m).exp()).sum();
+    x.iter().map(|v| (v - m).exp() / s).collect()
+}
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn softmax_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (rows, cols) = (32769, 65536);
+    let xs = uniform(&[rows, cols], &dev)?;
+    // Last dim: each row a group.
+    let ys = candle_fastops::softmax_dims(&xs, &[1])?;
+    for r in sampled(rows) {
+        let expected = softmax_reference(&row(&xs, r)?);
+        assert_close(
+            &row(&ys, r)?,
+            &expected,
+            1e-6,
+            &format!("softmax last dim row {r}"),
+        );
+    }
+    drop(ys);
+    // A non-last set: dim 0, each column a group of 32769 strided elements.
+    let ys = candle_fastops::softmax_dims(&xs, &[0])?;
+    for c in sampled(cols) {
+        let x = to_f64(&xs.narrow(1, c, 1)?)?;
+        let got = to_f64(&ys.narrow(1, c, 1)?)?;
+        assert_close(
+            &got,
+            &softmax_reference(&x),
+            1e-6,
+            &format!("softmax dim 0 col {c}"),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn sparse_linear_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (batch, active, num_inputs, out) = ((1 << 21) + 3, 32, 1000, 1024);
+    assert!(batch * out > BIG);
+    // Random indices in [0, num_inputs), each row ending at a random -1 (or full).
+    let mut rng = rng(31);
+    let mut host = vec![-1i32; batch * active];
+    for row in host.chunks_mut(active) {
+        let len = rng.random_range(0..=active);
+        for slot in &mut row[..len] {
+            *slot = rng.random_range(0..num_inputs as i32);
+        }
+    }
+    let idx = Tensor::from_vec(host, (batch, active), &dev)?;
+    let weight = uniform(&[num_inputs, out], &dev)?;
+    let bias = uniform(&[out], &dev)?;
+    let ys = candle_fastops::sparse_linear(&idx, None, &weight, &bias)?;
+    let (w, b) = (to_f64(&weight)?, to_f64(&bias)?);
+    for r in sampled(batch) {
+        let mut expected = b.clone();
+        for i in to_f64(&idx.narrow(0, r, 1)?)? {
+            if i < 0.0 {
+                break;
+            }
+            let i = i as usize;
+            for (e, wv) in expected.iter_mut().zip(&w[i * out..(i + 1) * out]) {
+                *e += wv;
+            }
+        }
+        assert_close(
+            &row(&ys, r)?,
+            &expected,
+            2e-5,
+            &format!("sparse_linear row {r}"),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn masked_bmm_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (batch, m, k) = (129, 4096, 64);
+    assert!(batch * m * m > BIG);
+    let a = uniform(&[batch, m, k], &dev)?;
+    let bt = uniform(&[batch, m, k], &dev)?;
+    let causal = Tensor::tril2(m, DType::U8, &dev)?;
+    let out = candle_fastops::masked_bmm(&a, &bt.transpose(1, 2)?, &causal, -1e9)?;
+    for bi in [0, batch / 2, batch - 1] {
+        let bmat = to_f64(&bt.get(bi)?)?; // [m, k]
+        for r in sampled(m) {
+            let arow = to_f64(&a.get(bi)?.narrow(0, r, 1)?)?;
+            let expected: Vec<f64> = (0..m)
+                .map(|j| {
+                    if j <= r {
+                        (0..k).map(|p| arow[p] * bmat[j * k + p]).sum()
+                    } else {
+                        -1e9
+                    }
+                })
+                .collect();
+            let got = to_f64(&out.get(bi)?.narrow(0, r, 1)?)?;
+            assert_close(&got, &expected, 1e-5, &format!("masked_bmm [{bi}, {r}]"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn argmin_matmul_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (n, d, c) = ((1 << 24) + 5, 128, 256);
+    assert!(n * d > BIG);
+    let x = uniform(&[n, d], &dev)?;
+    let centroids = uniform(&[c, d], &dev)?;
+    let assign = candle_fastops::kmeans_assign(&x, &centroids)?;
+    let cent = to_f64(&centroids)?;
+    let rows = sampled(n);
+    let got: Vec<u32> = rows
+        .iter()
+        .map(|&r| assign.narrow(0, r, 1)?.to_vec1::<u32>().map(|v| v[0]))
+        .collect::<Result<_>>()?;
+    let scores: Vec<Vec<f64>> = rows
+        .iter()
+        .map(|&r| {
+            let xr = row(&x, r)?;
+            Ok((0..c)
+                .map(|j| {
+                    (0..d)
+                        .map(|p| (xr[p] - cent[j * d + p]).powi(2))
+                        .sum::<f64>()
+                })
+                .collect())
+        })
+        .collect::<Result<_>>()?;
+    check_argmin(&got, &scores, 1e-5, "kmeans_assign past 2^31");
+    Ok(())
+}
+
+/// A 32769 x 65536 parameter (> 2^31 elements) whose parameter and gradient repeat a random
+/// 3 x 65536 block: every per-tensor statistic (feature norms, Adafactor row and column means)
+/// then equals the block's, so each row of the big step must match the step of the block alone.
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn small_fc_lopt_tensor_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (period, repeats, cols) = (3, 10923, 65536);
+    let rows = period * repeats;
+    assert!(rows * cols > BIG);
+    let block = uniform(&[period, cols], &dev)?;
+    let block_grad = (uniform(&[period, cols], &dev)? * 0.1)?;
+    let mlp = MlpWeights::from_safetensors(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/small_fc_lopt_mlp.safetensors"
+        ),
+        &dev,
+    )?;
+    let params = ParamsSmallFcLOpt::new(mlp);
+    let small = Var::from_tensor(&block)?;
+    let big = Var::from_tensor(&block.repeat((repeats, 1))?)?;
+    let mut grads_small = candle_core::backprop::GradStore::default();
+    grads_small.insert(small.as_tensor(), block_grad.clone());
+    let mut grads_big = candle_core::backprop::GradStore::default();
+    grads_big.insert(big.as_tensor(), block_grad.repeat((repeats, 1))?);
+    let mut opt_small = SmallFcLOpt::new(vec![small.clone()], params.clone())?;
+    let mut opt_big = SmallFcLOpt::new(vec![big.clone()], params)?;
+    for _ in 0..2 {
+        opt_small.step(&grads_small)?;
+        opt_big.step(&grads_big)?;
+    }
+    let expected: Vec<Vec<f64>> = (0..period)
+        .map(|r| row(small.as_tensor(), r))
+        .collect::<Result<_>>()?;
+    let moved = (big.as_tensor().narrow(0, rows - period, period)? - &block)?
+        .abs()?
+        .max_keepdim(D::Minus1)?;
+    assert!(
+        to_f64(&moved)?.iter().all(|&d| d > 0.0),
+        "the last rows were not updated"
+    );
+    for r in sampled(rows) {
+        assert_close(
+            &row(big.as_tensor(), r)?,
+            &expected[r % period],
+            1e-5,
+            &format!("small_fc_lopt row {r}"),
+        );
+    }
+    Ok(())
+}
