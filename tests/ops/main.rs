@@ -11,3 +11,4 @@ mod scale;
 mod small_fc_lopt;
 mod softmax;
 mod sparse_linear;
+mod threads;
