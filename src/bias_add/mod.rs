@@ -157,7 +157,8 @@ impl ChannelMap {
         let channels = dims[dim];
         let inner = if channels > 1 { strides[dim] } else { 1 };
         Some(Self {
-            start: layout.start_offset(),
+            // An empty view may start past the end of its (empty) storage: it reads nothing.
+            start: if len == 0 { 0 } else { layout.start_offset() },
             len,
             inner,
             channels,
@@ -175,6 +176,7 @@ impl ChannelMap {
 
 fn bias_range(layout: &Layout) -> Result<Range<usize>> {
     match layout.contiguous_offsets() {
+        Some(_) if layout.shape().elem_count() == 0 => Ok(0..0),
         Some((start, end)) => Ok(start..end),
         None => bail!("{OP}: internal error, bias reached the kernel non-contiguous"),
     }

@@ -82,8 +82,13 @@ impl SoftmaxDims {
         }
     }
 
+    /// Where the input starts in its storage (0 for an empty input, whose view may start past
+    /// the end of its storage).
     fn contiguous_start(&self, layout: &Layout) -> Result<usize> {
         match layout.contiguous_offsets() {
+            Some(_) if layout.dims() == self.plan.shape() && layout.shape().elem_count() == 0 => {
+                Ok(0)
+            }
             Some((start, _)) if layout.dims() == self.plan.shape() => Ok(start),
             _ => bail!(
                 "{}: internal error, input reached the kernel non-contiguous",

@@ -112,6 +112,11 @@ pub fn rand_tensor(
 /// Every element as f64, in row-major order of the tensor's logical layout. Converted on the
 /// CPU: candle's CUDA cast cannot launch on an empty tensor.
 pub fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
+    // candle's `to_vec1` slices an empty view from its start offset, which may lie past the end
+    // of its empty storage (an empty `narrow` of a wider tensor).
+    if t.elem_count() == 0 {
+        return Ok(Vec::new());
+    }
     t.to_device(&Device::Cpu)?
         .to_dtype(DType::F64)?
         .flatten_all()?

@@ -7,6 +7,7 @@ mod common;
 mod bias_add;
 mod matmul;
 mod matmul_f32_modes;
+mod props;
 mod scale;
 mod small_fc_lopt;
 mod softmax;
