@@ -157,7 +157,7 @@ fn column_group<T: CpuFloat>(
     let mut s = vec![<T::Acc as num_traits::Zero>::zero(); width];
     for off in offsets.clone() {
         for ((s, &m), &x) in s.iter_mut().zip(&m).zip(&xs[off..off + width]) {
-            *s = *s + (x.to_acc() - m).exp();
+            *s += (x.to_acc() - m).exp();
         }
     }
     let inv_s: Vec<T::Acc> = s.iter().map(|s| s.recip()).collect();

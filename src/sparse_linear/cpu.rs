@@ -105,7 +105,7 @@ pub(super) fn forward<T: CpuFloat>(
                             let value: T::Acc = acc_of(value);
                             let row = &weight[index * weight_stride..][..n_out];
                             for (a, &w) in acc.iter_mut().zip(row) {
-                                *a = *a + value * w.to_acc();
+                                *a += value * w.to_acc();
                             }
                         }
                         let half = sides.half(b, p);
@@ -158,7 +158,7 @@ pub(super) fn backward<T: CpuFloat>(f: &Features, sides: &Sides, grad: &[T]) -> 
                                     let value: T::Acc = acc_of(value);
                                     let row = &mut rows[(index - first) * n_out..][..n_out];
                                     for (r, &g) in row.iter_mut().zip(g) {
-                                        *r = *r + value * g.to_acc();
+                                        *r += value * g.to_acc();
                                     }
                                 }
                             }
@@ -174,7 +174,7 @@ pub(super) fn backward<T: CpuFloat>(f: &Features, sides: &Sides, grad: &[T]) -> 
                     let first = chunk * 64;
                     for row in grad.chunks(n_out) {
                         for (s, &g) in sums.iter_mut().zip(&row[first..]) {
-                            *s = *s + g.to_acc();
+                            *s += g.to_acc();
                         }
                     }
                 })

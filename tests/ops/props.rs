@@ -26,7 +26,7 @@ fn runner() -> TestRunner {
             eprintln!("proptest seed: FASTOPS_PROPTEST_SEED={s}");
             s
         }
-        Err(_) => 0x5eed_fa57_0b5,
+        Err(_) => 0x05ee_dfa5_70b5,
     };
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&seed.to_le_bytes());
