@@ -21,6 +21,21 @@ macro_rules! with_float_cpu {
 }
 pub(crate) use with_float_cpu;
 
+/// `with_cpu_gemm_pair!(op_name, a, b, |a, b| body)`: `a` and `b` are the `&Vec<T>` of two f32
+/// or two f64 [`candle_core::CpuStorage`]s (the dtypes the CPU matrix products run in: the
+/// public wrappers widen f16 / bf16 to f32 first); anything else is an internal error.
+macro_rules! with_cpu_gemm_pair {
+    ($op:expr, $a_storage:expr, $b_storage:expr, |$a:ident, $b:ident| $body:expr) => {{
+        use candle_core::CpuStorage as S;
+        match ($a_storage, $b_storage) {
+            (S::F32($a), S::F32($b)) => $body,
+            (S::F64($a), S::F64($b)) => $body,
+            _ => candle_core::bail!("{}: internal error, unexpected dtypes on the CPU", $op),
+        }
+    }};
+}
+pub(crate) use with_cpu_gemm_pair;
+
 /// `with_float_cuda!(op_name, storage.slice, |slice| body)`: `slice` is the `CudaSlice<T>` of an
 /// f32, f16 or bf16 `CudaStorageSlice` (by reference or mutable reference, following the
 /// expression given); other dtypes are an error naming the op. The public wrappers check dtypes

@@ -298,15 +298,9 @@ impl CustomOp3 for ArgminMatmul {
             bail!("{OP}: internal error, bias is not contiguous");
         };
         let bias = &bias.as_slice::<f32>()?[start..end];
-        let out = match (a, b) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                cpu_argmin(a, b, bias, &av, &bv, self.scale)?
-            }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                cpu_argmin(a, b, bias, &av, &bv, self.scale)?
-            }
-            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
-        };
+        let out = crate::dispatch::with_cpu_gemm_pair!(OP, a, b, |a, b| {
+            cpu_argmin(a, b, bias, &av, &bv, self.scale)?
+        });
         Ok((CpuStorage::U32(out), shape))
     }
 

@@ -211,15 +211,9 @@ impl CustomOp2 for SpanMatmul {
     ) -> Result<(CpuStorage, Shape)> {
         let (av, bv) = Self::views(a_layout, b_layout)?;
         let shape = Shape::from((av.batch, av.rows, bv.cols));
-        let out = match (a, b) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                CpuStorage::F32(self.cpu_product((a, &av), (b, &bv))?)
-            }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                CpuStorage::F64(self.cpu_product((a, &av), (b, &bv))?)
-            }
-            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
-        };
+        let out = crate::dispatch::with_cpu_gemm_pair!(OP, a, b, |a, b| {
+            candle_core::WithDType::to_cpu_storage_owned(self.cpu_product((a, &av), (b, &bv))?)
+        });
         Ok((out, shape))
     }
 

@@ -414,15 +414,9 @@ impl CustomOp3 for MaskedBmm {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let mask = mask.as_slice::<u8>()?;
-        let out = match (a, b) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                CpuStorage::F32(self.cpu_product(a, b, mask, &dims)?)
-            }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                CpuStorage::F64(self.cpu_product(a, b, mask, &dims)?)
-            }
-            _ => bail!("{OP}: internal error, unexpected dtypes on the CPU"),
-        };
+        let out = crate::dispatch::with_cpu_gemm_pair!(OP, a, b, |a, b| {
+            candle_core::WithDType::to_cpu_storage_owned(self.cpu_product(a, b, mask, &dims)?)
+        });
         Ok((out, dims.out_shape()))
     }
 
