@@ -19,9 +19,15 @@ fn sampled(rows: usize) -> Vec<usize> {
     r
 }
 
-/// Row `r` of `t` (along dim 0) on the CPU as f64.
+/// Row `r` of `t` (along dim 0) on the CPU as f64 (copied out on the device first: candle's
+/// `to_device` copies a view's whole storage).
 fn row(t: &Tensor, r: usize) -> Result<Vec<f64>> {
-    to_f64(&t.narrow(0, r, 1)?)
+    to_f64(&t.narrow(0, r, 1)?.contiguous()?)
+}
+
+/// Column `c` of a matrix, as [`row`] does it.
+fn col(t: &Tensor, c: usize) -> Result<Vec<f64>> {
+    to_f64(&t.narrow(1, c, 1)?.contiguous()?)
 }
 
 fn uniform(shape: &[usize], dev: &Device) -> Result<Tensor> {
@@ -90,8 +96,7 @@ fn softmax_past_2_31() -> Result<()> {
     // A non-last set: dim 0, each column a group of 32769 strided elements.
     let ys = candle_fastops::softmax_dims(&xs, &[0])?;
     for c in sampled(cols) {
-        let x = to_f64(&xs.narrow(1, c, 1)?)?;
-        let got = to_f64(&ys.narrow(1, c, 1)?)?;
+        let (x, got) = (col(&xs, c)?, col(&ys, c)?);
         assert_close(
             &got,
             &softmax_reference(&x),
@@ -124,7 +129,7 @@ fn sparse_linear_past_2_31() -> Result<()> {
     let (w, b) = (to_f64(&weight)?, to_f64(&bias)?);
     for r in sampled(batch) {
         let mut expected = b.clone();
-        for i in to_f64(&idx.narrow(0, r, 1)?)? {
+        for i in row(&idx, r)? {
             if i < 0.0 {
                 break;
             }
@@ -154,9 +159,9 @@ fn masked_bmm_past_2_31() -> Result<()> {
     let causal = Tensor::tril2(m, DType::U8, &dev)?;
     let out = candle_fastops::masked_bmm(&a, &bt.transpose(1, 2)?, &causal, -1e9)?;
     for bi in [0, batch / 2, batch - 1] {
-        let bmat = to_f64(&bt.get(bi)?)?; // [m, k]
+        let bmat = to_f64(&bt.get(bi)?.contiguous()?)?; // [m, k]
         for r in sampled(m) {
-            let arow = to_f64(&a.get(bi)?.narrow(0, r, 1)?)?;
+            let arow = row(&a.get(bi)?, r)?;
             let expected: Vec<f64> = (0..m)
                 .map(|j| {
                     if j <= r {
@@ -166,7 +171,7 @@ fn masked_bmm_past_2_31() -> Result<()> {
                     }
                 })
                 .collect();
-            let got = to_f64(&out.get(bi)?.narrow(0, r, 1)?)?;
+            let got = row(&out.get(bi)?, r)?;
             assert_close(&got, &expected, 1e-5, &format!("masked_bmm [{bi}, {r}]"));
         }
     }
@@ -186,7 +191,7 @@ fn argmin_matmul_past_2_31() -> Result<()> {
     let rows = sampled(n);
     let got: Vec<u32> = rows
         .iter()
-        .map(|&r| assign.narrow(0, r, 1)?.to_vec1::<u32>().map(|v| v[0]))
+        .map(|&r| row(&assign, r).map(|v| v[0] as u32))
         .collect::<Result<_>>()?;
     let scores: Vec<Vec<f64>> = rows
         .iter()
@@ -242,7 +247,8 @@ fn small_fc_lopt_tensor_past_2_31() -> Result<()> {
         .collect::<Result<_>>()?;
     let moved = (big.as_tensor().narrow(0, rows - period, period)? - &block)?
         .abs()?
-        .max_keepdim(D::Minus1)?;
+        .max_keepdim(D::Minus1)?
+        .contiguous()?;
     assert!(
         to_f64(&moved)?.iter().all(|&d| d > 0.0),
         "the last rows were not updated"

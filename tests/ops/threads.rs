@@ -85,6 +85,9 @@ impl Work {
     }
 }
 
+/// The position of the optimizer step among [`Work::run`]'s outputs.
+const OPTIMIZER: usize = 5;
+
 const MLP: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/small_fc_lopt_mlp.safetensors"
@@ -112,6 +115,15 @@ fn every_op_from_several_threads_at_once() -> Result<()> {
             for (t, (got, want)) in together.into_iter().zip(&alone).enumerate() {
                 let got = got?;
                 for (op, (g, w)) in got.iter().zip(want).enumerate() {
+                    if op == OPTIMIZER && dev.is_cuda() {
+                        // Not bit-reproducible on CUDA (float atomics in its norms; see
+                        // `set_deterministic`): equal up to summation order.
+                        let f = |v: &[u32]| -> Vec<f64> {
+                            v.iter().map(|b| f32::from_bits(*b) as f64).collect()
+                        };
+                        assert_close(&f(g), &f(w), 1e-5, &format!("thread {t} optimizer"));
+                        continue;
+                    }
                     assert!(
                         g == w,
                         "{:?}: thread {t}, round {round}: op {op} differs from its run alone",
