@@ -1,13 +1,11 @@
 //! The f32 modes of masked_bmm / argmin_matmul on CUDA, chosen per call with `MatmulOptions`:
-//! compensated (three TF32 passes, the default), plain FMA and TF32. One test checks that the
-//! process-wide default (`set_f32_matmul`) is what a call without a mode follows.
+//! compensated (three TF32 passes, the default), plain FMA and TF32. (That a call without a mode
+//! follows the process-wide default is checked in `tests/global_defaults.rs`, its own process:
+//! flipping the global here would change what the other tests of this binary compute.)
 
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
-use candle_fastops::{
-    argmin_matmul_with, f32_matmul, masked_bmm, masked_bmm_with, matmul_tf32, set_f32_matmul,
-    set_matmul_tf32, F32Matmul, MatmulOptions,
-};
+use candle_fastops::{argmin_matmul_with, masked_bmm_with, F32Matmul, MatmulOptions};
 
 /// `masked_bmm` with the given f32 mode for this call only.
 fn masked_in(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64, mode: F32Matmul) -> Result<Tensor> {
@@ -206,39 +204,6 @@ fn tf32_mode_rounds_on_the_gpu_and_stays_close() -> Result<()> {
                 F32Matmul::Tf32,
             )?;
         }
-    }
-    Ok(())
-}
-
-/// A call without a mode follows the process-wide default; a call with one ignores it. The only
-/// test of this binary that touches the global (the others pass their mode per call).
-#[test]
-fn calls_without_a_mode_follow_the_global_default() -> Result<()> {
-    let exact = 1.0 + 2f32.powi(-15);
-    assert_eq!(f32_matmul(), F32Matmul::Compensated);
-    for dev in devices() {
-        let a = Tensor::new(&[[[exact]]], &dev)?;
-        let b = Tensor::new(&[[[1f32]]], &dev)?;
-        let mask = Tensor::new(&[[1u8]], &dev)?;
-        let run = |options: Option<F32Matmul>| -> Result<f32> {
-            let out = match options {
-                None => masked_bmm(&a, &b, &mask, 0.0)?,
-                Some(mode) => masked_in(&a, &b, &mask, 0.0, mode)?,
-            };
-            out.flatten_all()?.to_vec1::<f32>().map(|v| v[0])
-        };
-        let rounded = if dev.is_cuda() { 1.0 } else { exact };
-        set_matmul_tf32(true);
-        assert!(matmul_tf32());
-        let (global, explicit) = (run(None)?, run(Some(F32Matmul::Fma))?);
-        set_f32_matmul(F32Matmul::default());
-        assert_eq!(global, rounded, "{dev:?}: the global TF32 default");
-        assert_eq!(explicit, exact, "{dev:?}: the per-call FMA mode");
-        assert_eq!(
-            run(None)?,
-            exact,
-            "{dev:?}: back to the compensated default"
-        );
     }
     Ok(())
 }
