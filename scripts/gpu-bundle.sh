@@ -140,8 +140,8 @@ chmod +x "$bundle/sweep.sh"
 cat > "$bundle/sanitize.sh" <<'SAN'
 #!/usr/bin/env bash
 # compute-sanitizer over every bundled test binary: sanitize.sh OUTDIR [TOOL...] (default: memcheck
-# racecheck initcheck synccheck, run side by side). Only this crate's kernels are instrumented
-# (candle's own kernels run uninstrumented), and FASTOPS_TEST_LIGHT=1 shrinks the heaviest tests.
+# racecheck initcheck synccheck, run side by side). memcheck, racecheck and synccheck instrument
+# only this crate's kernels, and FASTOPS_TEST_LIGHT=1 shrinks the heaviest tests.
 # Writes OUTDIR/sanitize.txt (one line per tool and binary: exit status, the tool's summary, the
 # test result) and OUTDIR/san-TOOL-BINARY.log; exits non-zero when any tool reports or a test fails.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -157,7 +157,10 @@ done
 source "$here/libs.sh"
 san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitizer -type f 2>/dev/null | head -n1)
 [ -n "$san" ] || { echo "sanitize.sh: no compute-sanitizer"; exit 2; }
-# One additive filter per kernel family of this crate (candle's own kernels run uninstrumented).
+# memcheck, racecheck and synccheck instrument only this crate's kernels (one additive filter per
+# kernel family; candle's own kernels run uninstrumented). initcheck instruments every kernel: it
+# tracks which bytes kernels have written, so an uninstrumented candle kernel's output (a
+# `.contiguous()` copy, say) would read as uninitialized to ours.
 filter=()
 for k in bias_add softmax sparse_linear lopt_ masked_bmm argmin_matmul span_matmul; do
     filter+=(--kernel-name "kns=$k")
@@ -168,7 +171,8 @@ run_tool() {
     name=$(basename "$t")
     log="$out/san-$tool-$name.log"
     [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
-    (cd "$here/../.." && timeout "${SAN_TIMEOUT:-1500}" "$san" --tool "$tool" "${filter[@]}" "${extra[@]}" \
+    [ "$tool" != initcheck ] && extra+=("${filter[@]}")
+    (cd "$here/../.." && timeout "${SAN_TIMEOUT:-1500}" "$san" --tool "$tool" "${extra[@]}" \
         --error-exitcode 9 "$t" --test-threads="${SAN_THREADS:-4}") > "$log" 2>&1
     local rc=$?
     local summary result
