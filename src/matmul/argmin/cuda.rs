@@ -21,6 +21,7 @@ unsafe impl DeviceRepr for ArgminArgs {}
 /// Resident blocks per SM of the product kernels (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice,
     a: &CudaSlice<T>,

@@ -16,6 +16,7 @@ const _: () = assert!(std::mem::size_of::<SpanArgs>() == 16);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for SpanArgs {}
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice,
     a: &CudaSlice<T>,

@@ -17,6 +17,7 @@ const _: () = assert!(std::mem::size_of::<MaskArgs>() == 24);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for MaskArgs {}
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice,
     a: &CudaSlice<T>,
