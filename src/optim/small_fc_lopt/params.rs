@@ -17,7 +17,7 @@ pub enum NonFiniteGrads {
     SkipTensor,
 }
 
-/// Hyper-parameters of [`SmallFcLOpt`], with the published defaults from
+/// Hyper-parameters of [`SmallFcLOpt`](super::SmallFcLOpt), with the published defaults from
 /// [`ParamsSmallFcLOpt::new`].
 #[derive(Debug, Clone)]
 pub struct ParamsSmallFcLOpt {
