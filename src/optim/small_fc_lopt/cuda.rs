@@ -382,40 +382,41 @@ impl DeviceState {
         };
         debug_assert_eq!(work.len(), self.slots.len());
         debug_assert_eq!(mlp.elem_count(), MLP_FLOATS);
-        let stream = dev.cuda_stream();
-        // Every tensor the kernels touch, read-locked (the kernels write the state, the
-        // parameters and the scratch through these addresses: they belong to this optimizer or
-        // to its variables, and candle orders all work on the one stream).
-        let mut tensors: Vec<&Tensor> = vec![
-            &self.elem,
-            &self.full,
-            &self.row,
-            &self.col,
-            &self.row_factor,
-            &self.col_factor,
-            &self.scratch,
-            &self.meta,
-            mlp,
+        // Every tensor the kernels touch, in a fixed order: the state buffers and the parameters
+        // are written (write-locked through candle's in-place path), the rest only read.
+        let mut tensors: Vec<(&Tensor, bool)> = vec![
+            (&self.elem, true),
+            (&self.full, true),
+            (&self.row, true),
+            (&self.col, true),
+            (&self.row_factor, true),
+            (&self.col_factor, true),
+            (&self.scratch, true),
+            (&self.meta, false),
+            (mlp, false),
         ];
-        tensors.extend(self.groups.iter().map(|g| &g.chunks));
-        tensors.extend(self.groups.iter().map(|g| &g.tiles));
+        tensors.extend(self.groups.iter().map(|g| (&g.chunks, false)));
+        tensors.extend(self.groups.iter().map(|g| (&g.tiles, false)));
         for (g, p) in work.iter().flatten() {
-            tensors.push(g);
-            tensors.push(p);
+            tensors.push((g, false));
+            tensors.push((p, true));
         }
-        let locks: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
-        let mut views = Vec::with_capacity(locks.len());
-        for (storage, layout) in &locks {
-            let Storage::Cuda(s) = &**storage else {
-                bail!("{OP}: internal error, a tensor of the step is not on the GPU");
-            };
-            // The address of the tensor's first element (4-byte elements either way).
-            let base = match candle_core::backend::BackendStorage::dtype(s) {
-                DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
-                _ => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-            };
-            views.push(base + 4 * layout.start_offset() as u64);
-        }
+        with_locked_addresses(&tensors, |views| {
+            self.launch_step(dev, work, views, decays, hyper, tensor_cores)
+        })
+    }
+
+    /// The launches of [`Self::step`], given the device address of each tensor's first element
+    /// (in `step`'s order), all held locked by the caller.
+    fn launch_step(
+        &self,
+        dev: &candle_core::CudaDevice,
+        work: &[Option<(Tensor, Tensor)>],
+        views: &[u64],
+        decays: Decays,
+        hyper: Hyper,
+        tensor_cores: bool,
+    ) -> Result<()> {
         let ptr = |i: usize| views[i];
         let scratch = ptr(6);
         let at = |k: usize| scratch + 4 * self.scratch_at[k] as u64;
@@ -446,8 +447,8 @@ impl DeviceState {
             });
         }
         let scratch_bytes = 4 * self.scratch.elem_count();
-        // SAFETY: `scratch` addresses the scratch tensor's f32 elements (read-locked above; only
-        // this step's kernels use it, on the device's stream).
+        // SAFETY: `scratch` addresses the scratch tensor's f32 elements (write-locked by the
+        // caller; only this step's kernels use it, on the device's stream).
         unsafe { crate::cuda::fill_bytes_at(dev, scratch, scratch_bytes, 0) }?;
         let square_sums = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums")?;
         let square_sums_tiled = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums_tiled")?;
@@ -546,5 +547,120 @@ impl DeviceState {
             }
         }
         Ok(())
+    }
+}
+
+/// Calls `f` with the device address of the first element of each of `tensors` (4-byte
+/// elements), every one held locked meanwhile: `(tensor, true)` write-locked through candle's
+/// in-place op path (the kernels write it), `(tensor, false)` read-locked. Locks are taken in the
+/// order of their storages' addresses, as candle orders its own, so two threads never wait on
+/// each other. Two written tensors sharing a storage, or a read one sharing a written one's (a
+/// gradient that is a view of its parameter, say), are an error: the kernels would race.
+fn with_locked_addresses(
+    tensors: &[(&Tensor, bool)],
+    f: impl FnOnce(&[u64]) -> Result<()>,
+) -> Result<()> {
+    // Storage identity: the address of the storage behind each tensor's lock.
+    let keys: Vec<usize> = tensors
+        .iter()
+        .map(|(t, _)| {
+            let (storage, _) = t.storage_and_layout();
+            &*storage as *const Storage as usize
+        })
+        .collect();
+    for (i, &(_, write)) in tensors.iter().enumerate() {
+        for (j, &(_, other_write)) in tensors.iter().enumerate().skip(i + 1) {
+            if keys[i] == keys[j] && (write || other_write) {
+                bail!(
+                    "{OP}: two tensors of one step share memory (a variable given twice, or a \
+                     gradient that is a view of a parameter); the step would write what it reads"
+                );
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| keys[i]);
+    let mut addrs = vec![0u64; tensors.len()];
+    let mut f = Some(f);
+    let mut leaf = |addrs: &[u64]| -> Result<()> {
+        match f.take() {
+            Some(f) => f(addrs),
+            None => bail!("{OP}: internal error, the locked step ran twice"),
+        }
+    };
+    lock_next(tensors, &order, &mut addrs, &mut leaf)
+}
+
+/// Locks `tensors[order[0]]`, records its address, and recurses on the rest of `order`; calls
+/// `leaf` with every lock held.
+fn lock_next(
+    tensors: &[(&Tensor, bool)],
+    order: &[usize],
+    addrs: &mut [u64],
+    leaf: &mut dyn FnMut(&[u64]) -> Result<()>,
+) -> Result<()> {
+    let Some((&i, rest)) = order.split_first() else {
+        return leaf(addrs);
+    };
+    let (tensor, write) = tensors[i];
+    if !write {
+        let (storage, layout) = tensor.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            bail!("{OP}: internal error, a tensor of the step is not on the GPU");
+        };
+        addrs[i] = first_element_address(s, layout)?;
+        return lock_next(tensors, rest, addrs, leaf);
+    }
+    let op = WriteLocked {
+        tensors,
+        index: i,
+        rest,
+        state: std::cell::RefCell::new((addrs, leaf)),
+    };
+    tensor.inplace_op1(&op)
+}
+
+/// The address of the first element of a CUDA storage's view (f32 or u32 buffers).
+fn first_element_address(
+    s: &candle_core::CudaStorage,
+    layout: &candle_core::Layout,
+) -> Result<u64> {
+    let stream = s.device.cuda_stream();
+    let base = match candle_core::backend::BackendStorage::dtype(s) {
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        other => bail!("{OP}: internal error, a {other:?} buffer in the step"),
+    };
+    Ok(base + 4 * layout.start_offset() as u64)
+}
+
+/// The in-place op through which [`lock_next`] holds a written tensor's write lock while it
+/// locks the rest: candle's sanctioned mutable access to a storage.
+struct WriteLocked<'a, 'b> {
+    tensors: &'a [(&'a Tensor, bool)],
+    index: usize,
+    rest: &'a [usize],
+    #[allow(clippy::type_complexity)]
+    state: std::cell::RefCell<(&'b mut [u64], &'b mut dyn FnMut(&[u64]) -> Result<()>)>,
+}
+
+impl candle_core::InplaceOp1 for WriteLocked<'_, '_> {
+    fn name(&self) -> &'static str {
+        "fastops-small-fc-lopt-step"
+    }
+
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> Result<()> {
+        bail!("{OP}: internal error, the multi-tensor step runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<()> {
+        let mut state = self.state.borrow_mut();
+        let (addrs, leaf) = &mut *state;
+        addrs[self.index] = first_element_address(storage, layout)?;
+        lock_next(self.tensors, self.rest, addrs, *leaf)
     }
 }
