@@ -707,6 +707,11 @@ fn mismatched_state_files_are_errors_that_change_nothing() -> Result<()> {
                 .contains("two variables are named `enc.weight`"),
             "{e}"
         );
+        // So is one variable under two names (its state would be stepped twice).
+        let mut aliased = named_vars(dev, &NAMED, 70)?;
+        aliased[1].1 = aliased[0].1.clone();
+        let e = SmallFcLOpt::new_named(aliased, params.clone()).expect_err("one var twice");
+        assert!(e.to_string().contains("are the same variable"), "{e}");
         Ok(())
     });
     std::fs::remove_file(&path).ok();

@@ -192,9 +192,13 @@ impl SmallFcLOpt {
             None => params.mlp.device().clone(),
         };
         let mut seen = std::collections::HashSet::with_capacity(vars.len());
+        let mut ids = std::collections::HashMap::with_capacity(vars.len());
         for (name, var) in &vars {
             if !seen.insert(name.as_str()) {
                 bail!("{OPT}: two variables are named `{name}`; names key the saved state");
+            }
+            if let Some(first) = ids.insert(var.id(), name.as_str()) {
+                bail!("{OPT}: `{first}` and `{name}` are the same variable; give it once");
             }
             if !var.dtype().is_float() {
                 bail!(
