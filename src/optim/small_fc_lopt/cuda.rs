@@ -401,7 +401,7 @@ impl DeviceState {
             tensors.push((g, false));
             tensors.push((p, true));
         }
-        with_locked_addresses(&tensors, |views| {
+        with_locked_addresses(dev, &tensors, |views| {
             self.launch_step(dev, work, views, decays, hyper, tensor_cores)
         })
     }
@@ -552,47 +552,81 @@ impl DeviceState {
 
 /// Calls `f` with the device address of the first element of each of `tensors` (4-byte
 /// elements), every one held locked meanwhile: `(tensor, true)` write-locked through candle's
-/// in-place op path (the kernels write it), `(tensor, false)` read-locked. Locks are taken in the
-/// order of their storages' addresses, as candle orders its own, so two threads never wait on
-/// each other. Two written tensors sharing a storage, or a read one sharing a written one's (a
+/// in-place op path (the kernels write it), `(tensor, false)` read-locked. Write locks are taken
+/// in the order of their storages' addresses, as candle orders its own, so two threads never wait
+/// on each other. Two written tensors sharing a storage, or a read one sharing a written one's (a
 /// gradient that is a view of its parameter, say), are an error: the kernels would race.
+///
+/// Each write lock is one level of nested in-place ops, so the nesting runs on a thread whose
+/// stack grows with the number of written tensors (a few KiB each; one thread per step costs
+/// tens of microseconds against a step of milliseconds).
 fn with_locked_addresses(
+    dev: &candle_core::CudaDevice,
     tensors: &[(&Tensor, bool)],
-    f: impl FnOnce(&[u64]) -> Result<()>,
+    f: impl FnOnce(&[u64]) -> Result<()> + Send,
 ) -> Result<()> {
     // Storage identity: the address of the storage behind each tensor's lock.
-    let keys: Vec<usize> = tensors
+    let mut keyed: Vec<(usize, bool)> = tensors
         .iter()
-        .map(|(t, _)| {
+        .map(|&(t, write)| {
             let (storage, _) = t.storage_and_layout();
-            &*storage as *const Storage as usize
+            (&*storage as *const Storage as usize, write)
         })
         .collect();
-    for (i, &(_, write)) in tensors.iter().enumerate() {
-        for (j, &(_, other_write)) in tensors.iter().enumerate().skip(i + 1) {
-            if keys[i] == keys[j] && (write || other_write) {
-                bail!(
-                    "{OP}: two tensors of one step share memory (a variable given twice, or a \
-                     gradient that is a view of a parameter); the step would write what it reads"
-                );
-            }
+    let keys: Vec<usize> = keyed.iter().map(|k| k.0).collect();
+    keyed.sort_unstable();
+    for pair in keyed.windows(2) {
+        if pair[0].0 == pair[1].0 && (pair[0].1 || pair[1].1) {
+            bail!(
+                "{OP}: two tensors of one step share memory (a gradient that is a view of a \
+                 parameter, say); the step would write what it reads"
+            );
         }
     }
-    let mut order: Vec<usize> = (0..tensors.len()).collect();
-    order.sort_by_key(|&i| keys[i]);
+    // Read locks first, flat; then the write locks, nested.
+    let reads: Vec<_> = tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, write))| !write)
+        .map(|(i, (t, _))| (i, t.storage_and_layout()))
+        .collect();
     let mut addrs = vec![0u64; tensors.len()];
-    let mut f = Some(f);
-    let mut leaf = |addrs: &[u64]| -> Result<()> {
-        match f.take() {
-            Some(f) => f(addrs),
-            None => bail!("{OP}: internal error, the locked step ran twice"),
-        }
-    };
-    lock_next(tensors, &order, &mut addrs, &mut leaf)
+    for (i, (storage, layout)) in &reads {
+        let Storage::Cuda(s) = &**storage else {
+            bail!("{OP}: internal error, a tensor of the step is not on the GPU");
+        };
+        addrs[*i] = first_element_address(s, layout)?;
+    }
+    let mut writes: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].1).collect();
+    writes.sort_by_key(|&i| keys[i]);
+    let stack = (1 << 20) + writes.len() * (8 << 10);
+    let ctx = dev.cuda_stream().context().clone();
+    let result = std::thread::scope(|scope| {
+        let nested = std::thread::Builder::new()
+            .stack_size(stack)
+            .spawn_scoped(scope, move || -> Result<()> {
+                // The launches need the device's context current on this thread.
+                candle_core::cuda_backend::WrapErr::w(ctx.bind_to_thread())?;
+                let mut f = Some(f);
+                let mut leaf = |addrs: &[u64]| -> Result<()> {
+                    match f.take() {
+                        Some(f) => f(addrs),
+                        None => bail!("{OP}: internal error, the locked step ran twice"),
+                    }
+                };
+                lock_next(tensors, &writes, &mut addrs, &mut leaf)
+            })
+            .map_err(|e| candle_core::Error::Msg(format!("{OP}: cannot start the step: {e}")))?;
+        nested
+            .join()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: the step panicked")))?
+    });
+    drop(reads);
+    result
 }
 
-/// Locks `tensors[order[0]]`, records its address, and recurses on the rest of `order`; calls
-/// `leaf` with every lock held.
+/// Write-locks `tensors[order[0]]`, records its address, and recurses on the rest of `order`;
+/// calls `leaf` with every lock held.
 fn lock_next(
     tensors: &[(&Tensor, bool)],
     order: &[usize],
@@ -602,22 +636,13 @@ fn lock_next(
     let Some((&i, rest)) = order.split_first() else {
         return leaf(addrs);
     };
-    let (tensor, write) = tensors[i];
-    if !write {
-        let (storage, layout) = tensor.storage_and_layout();
-        let Storage::Cuda(s) = &*storage else {
-            bail!("{OP}: internal error, a tensor of the step is not on the GPU");
-        };
-        addrs[i] = first_element_address(s, layout)?;
-        return lock_next(tensors, rest, addrs, leaf);
-    }
     let op = WriteLocked {
         tensors,
         index: i,
         rest,
         state: std::cell::RefCell::new((addrs, leaf)),
     };
-    tensor.inplace_op1(&op)
+    tensors[i].0.inplace_op1(&op)
 }
 
 /// The address of the first element of a CUDA storage's view (f32 or u32 buffers).
