@@ -557,13 +557,13 @@ impl DeviceState {
 /// on each other. Two written tensors sharing a storage, or a read one sharing a written one's (a
 /// gradient that is a view of its parameter, say), are an error: the kernels would race.
 ///
-/// Each write lock is one level of nested in-place ops, so the nesting runs on a thread whose
-/// stack grows with the number of written tensors (a few KiB each; one thread per step costs
-/// tens of microseconds against a step of milliseconds).
+/// Each write lock is one level of nested in-place ops, so the locks are taken by a helper thread
+/// whose stack grows with the number of written tensors (a few KiB each; one thread per step
+/// costs tens of microseconds against a step of milliseconds); `f` runs on the calling thread.
 fn with_locked_addresses(
     dev: &candle_core::CudaDevice,
     tensors: &[(&Tensor, bool)],
-    f: impl FnOnce(&[u64]) -> Result<()> + Send,
+    f: impl FnOnce(&[u64]) -> Result<()>,
 ) -> Result<()> {
     // Storage identity: the address of the storage behind each tensor's lock.
     let mut keyed: Vec<(usize, bool)> = tensors
@@ -599,27 +599,47 @@ fn with_locked_addresses(
     }
     let mut writes: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].1).collect();
     writes.sort_by_key(|&i| keys[i]);
+    // A helper thread takes the nested write locks and holds them while this thread (the one
+    // that queued the gradients) queues the launches, so the launches keep the caller's place in
+    // the stream's order.
     let stack = (1 << 20) + writes.len() * (8 << 10);
     let ctx = dev.cuda_stream().context().clone();
+    let (addrs_tx, addrs_rx) = std::sync::mpsc::channel::<Result<Vec<u64>>>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let result = std::thread::scope(|scope| {
-        let nested = std::thread::Builder::new()
+        let holder = std::thread::Builder::new()
             .stack_size(stack)
-            .spawn_scoped(scope, move || -> Result<()> {
-                // The launches need the device's context current on this thread.
-                candle_core::cuda_backend::WrapErr::w(ctx.bind_to_thread())?;
-                let mut f = Some(f);
-                let mut leaf = |addrs: &[u64]| -> Result<()> {
-                    match f.take() {
-                        Some(f) => f(addrs),
-                        None => bail!("{OP}: internal error, the locked step ran twice"),
-                    }
+            .spawn_scoped(scope, move || {
+                let sent = std::cell::Cell::new(false);
+                let mut hold = |addrs: &[u64]| -> Result<()> {
+                    sent.set(true);
+                    let _ = addrs_tx.send(Ok(addrs.to_vec()));
+                    // Every lock stays held until the caller has queued the launches (or
+                    // dropped its end).
+                    let _ = done_rx.recv();
+                    Ok(())
                 };
-                lock_next(tensors, &writes, &mut addrs, &mut leaf)
+                let locked = candle_core::cuda_backend::WrapErr::w(ctx.bind_to_thread())
+                    .and_then(|()| lock_next(tensors, &writes, &mut addrs, &mut hold));
+                if let Err(e) = locked {
+                    if !sent.get() {
+                        let _ = addrs_tx.send(Err(e));
+                    }
+                }
             })
             .map_err(|e| candle_core::Error::Msg(format!("{OP}: cannot start the step: {e}")))?;
-        nested
+        let result = match addrs_rx.recv() {
+            Ok(Ok(addrs)) => f(&addrs),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(candle_core::Error::Msg(format!(
+                "{OP}: internal error, the locking thread stopped"
+            ))),
+        };
+        drop(done_tx);
+        holder
             .join()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: the step panicked")))?
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: the locking thread panicked")))?;
+        result
     });
     drop(reads);
     result
