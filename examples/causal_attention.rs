@@ -26,7 +26,7 @@ fn attention_fastops(
         plan,
         f64::NEG_INFINITY,
     )?;
-    let probs = candle_fastops::softmax_dims(&(scores * scale)?, &[2])?;
+    let probs = candle_fastops::softmax_dims(&(scores * scale)?, [2])?;
     Ok(probs.matmul(v)?)
 }
 

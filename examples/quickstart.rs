@@ -68,7 +68,7 @@ fn main() -> Result<()> {
 
     // softmax_dims / log_softmax_dims: normalise over dims 0 and 2 together, in one op.
     let scores = Var::from_tensor(&Tensor::randn(0f32, 1., (4, 16, 128), &dev)?)?;
-    let probs = candle_fastops::softmax_dims(&scores, &[0, 2])?;
+    let probs = candle_fastops::softmax_dims(&scores, [0, 2])?;
     let max = scores.max_keepdim(0)?.max_keepdim(2)?;
     let exp = scores.broadcast_sub(&max)?.exp()?;
     let composite = exp.broadcast_div(&exp.sum_keepdim(0)?.sum_keepdim(2)?)?;
@@ -80,7 +80,7 @@ fn main() -> Result<()> {
         max_abs_diff(&sums, &sums.ones_like()?)?,
         max_abs_diff(&probs, &composite)?
     );
-    let log_probs = candle_fastops::log_softmax_dims(&scores, &[0, 2])?;
+    let log_probs = candle_fastops::log_softmax_dims(&scores, [0, 2])?;
     let grads = log_probs.narrow(1, 0, 1)?.sum_all()?.backward()?;
     println!(
         "log_softmax_dims max |diff| vs log(softmax_dims) = {:.2e}, gradient {:?}",

@@ -82,7 +82,7 @@ pub use matmul::{
 #[doc(hidden)]
 pub use poison::set_poison_outputs;
 pub use softmax::plan::ReducePlan;
-pub use softmax::{log_softmax_dims, softmax_dims};
+pub use softmax::{log_softmax_dims, softmax_dims, ReduceDims};
 #[doc(hidden)]
 pub use sparse_linear::sparse_linear_backward;
 pub use sparse_linear::{

@@ -7,6 +7,7 @@
 
 use crate::cpu::{output_vec, spare};
 use crate::dispatch::{check_float_operands, with_float_cpu};
+use candle_core::shape::Dim;
 use candle_core::{
     bail, CpuStorage, CustomOp2, InplaceOp2, Layout, Result, Shape, Tensor, WithDType,
 };
@@ -25,6 +26,7 @@ const CPU_CHUNK: usize = 1 << 16;
 /// * dtypes: f32, f16, bf16 on every device, f64 on the CPU; `xs` and `bias` share the dtype.
 ///   Half types are added in f32 and rounded once.
 /// * `xs` may have any rank >= 1 and any layout (a non-contiguous `xs` is copied first).
+/// * `dim` is a `usize` or candle's `D` (`D::Minus1` for a last-dim bias).
 /// * Autograd: the gradient of `xs` is the incoming gradient, the gradient of `bias` its sum over
 ///   every dimension but `dim`.
 ///
@@ -34,10 +36,25 @@ const CPU_CHUNK: usize = 1 << 16;
 /// let bias = Tensor::new(&[10f32, 20., 30.], &Device::Cpu)?;
 /// let ys = candle_fastops::bias_add(&xs, &bias, 1)?;
 /// assert_eq!(ys.to_vec2::<f32>()?, [[10., 21., 32.], [13., 24., 35.]]);
+/// let last = candle_fastops::bias_add(&xs, &bias, candle_core::D::Minus1)?;
+/// assert_eq!(last.to_vec2::<f32>()?, ys.to_vec2::<f32>()?);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn bias_add(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> {
-    bias_add_with_hint(xs, bias, dim, CacheHint::default())
+pub fn bias_add(xs: &Tensor, bias: &Tensor, dim: impl Dim) -> Result<Tensor> {
+    bias_add_with_hint(xs, bias, dim_index(xs, dim)?, CacheHint::default())
+}
+
+/// `dim` (a `usize` or candle's [`D`](candle_core::D)) as an index into `xs`'s dims.
+fn dim_index(xs: &Tensor, dim: impl Dim) -> Result<usize> {
+    if xs.rank() == 0 {
+        bail!("{OP}: xs must have rank >= 1, got a rank-0 tensor");
+    }
+    dim.to_index(xs.shape(), OP).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{OP}: the bias dim is out of range for xs of shape {:?}",
+            xs.dims()
+        ))
+    })
 }
 
 /// [`bias_add`] with the CUDA kernel's cache hint chosen explicitly; the bench uses it to compare
@@ -70,7 +87,8 @@ pub fn bias_add_with_hint(
 /// assert_eq!(xs.to_vec2::<f32>()?, [[1., 2., 3.], [1., 2., 3.]]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn bias_add_(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
+pub fn bias_add_(xs: &Tensor, bias: &Tensor, dim: impl Dim) -> Result<()> {
+    let dim = dim_index(xs, dim)?;
     check_args(xs, bias, dim)?;
     if ChannelMap::dense(xs.layout(), dim).is_none() {
         bail!(

@@ -5,7 +5,8 @@ use crate::cpu::output_vec;
 use crate::dispatch::{check_float_operands, with_float_cpu};
 pub(crate) mod plan;
 
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::shape::Dim;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType, D};
 use plan::ReducePlan;
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -31,10 +32,17 @@ use std::sync::Arc;
 /// let ys = candle_fastops::softmax_dims(&xs, &[0, 2])?;
 /// let sums = ys.sum_keepdim(0)?.sum_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
 /// assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-6));
+/// // `dims` may be one dim, candle's `D`, or a list of either.
+/// use candle_core::D;
+/// let last = candle_fastops::softmax_dims(&xs, D::Minus1)?;
+/// let same = candle_fastops::softmax_dims(&xs, 2)?;
+/// assert_eq!(last.to_vec3::<f32>()?, same.to_vec3::<f32>()?);
+/// let pair = candle_fastops::softmax_dims(&xs, [D::Minus1, D::Minus(3)])?;
+/// assert_eq!(pair.to_vec3::<f32>()?, ys.to_vec3::<f32>()?);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    apply(xs, dims, false)
+pub fn softmax_dims(xs: &Tensor, dims: impl ReduceDims) -> Result<Tensor> {
+    apply(xs, &dims.dims_of(xs.shape(), "softmax_dims")?, false)
 }
 
 /// Log-softmax over `dims`: `x - max - log(sum(exp(x - max)))` per group, with the semantics of
@@ -50,8 +58,65 @@ pub fn softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
 /// assert!(diff < 1e-6);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn log_softmax_dims(xs: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    apply(xs, dims, true)
+pub fn log_softmax_dims(xs: &Tensor, dims: impl ReduceDims) -> Result<Tensor> {
+    apply(xs, &dims.dims_of(xs.shape(), "log_softmax_dims")?, true)
+}
+
+/// The dims [`softmax_dims`] / [`log_softmax_dims`] normalise over: one dim (`usize` or
+/// candle's [`D`]), or a list of them (`&[usize]`, `[usize; N]`, `Vec<usize>`, `[D; N]`, `&[D]`,
+/// and references to these). The list itself (no duplicates, each in range) is checked by the
+/// op, with an error naming it.
+pub trait ReduceDims {
+    /// The dims as indexes into `shape` (`D` forms resolved against its rank).
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>>;
+}
+
+impl ReduceDims for usize {
+    fn dims_of(&self, _: &Shape, _: &'static str) -> Result<Vec<usize>> {
+        Ok(vec![*self])
+    }
+}
+
+impl ReduceDims for D {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        Ok(vec![self.to_index(shape, op)?])
+    }
+}
+
+impl ReduceDims for [usize] {
+    fn dims_of(&self, _: &Shape, _: &'static str) -> Result<Vec<usize>> {
+        Ok(self.to_vec())
+    }
+}
+
+impl<const N: usize> ReduceDims for [usize; N] {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        self[..].dims_of(shape, op)
+    }
+}
+
+impl ReduceDims for Vec<usize> {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        self[..].dims_of(shape, op)
+    }
+}
+
+impl ReduceDims for [D] {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        self.iter().map(|d| d.to_index(shape, op)).collect()
+    }
+}
+
+impl<const N: usize> ReduceDims for [D; N] {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        self[..].dims_of(shape, op)
+    }
+}
+
+impl<T: ReduceDims + ?Sized> ReduceDims for &T {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        (**self).dims_of(shape, op)
+    }
 }
 
 fn apply(xs: &Tensor, dims: &[usize], log: bool) -> Result<Tensor> {

@@ -193,7 +193,7 @@ fn special_values_large_inf_and_nan() {
                 .to_dtype(dtype)?
                 .to_device(dev)?;
             check(&xs, &[1], "masked and NaN rows")?;
-            let ys = to_f64(&softmax_dims(&xs, &[1])?)?;
+            let ys = to_f64(&softmax_dims(&xs, [1])?)?;
             assert!(
                 ys[100..150].iter().all(|&v| v == 0.0),
                 "fully masked row gives zeros"
@@ -389,14 +389,14 @@ fn matches_candle_composite_and_its_gradients() {
         let xs = rand_tensor(&[5, 33], 3.0, DType::F32, dev, 113)?;
         let theirs = candle_nn::ops::softmax_last_dim(&xs)?;
         assert_close(
-            &to_f64(&softmax_dims(&xs, &[1])?)?,
+            &to_f64(&softmax_dims(&xs, [1])?)?,
             &to_f64(&theirs)?,
             1e-6,
             "vs softmax_last_dim",
         );
         let theirs = candle_nn::ops::log_softmax(&xs, D::Minus1)?;
         assert_close(
-            &to_f64(&log_softmax_dims(&xs, &[1])?)?,
+            &to_f64(&log_softmax_dims(&xs, [1])?)?,
             &to_f64(&theirs)?,
             1e-5,
             "vs log_softmax",
@@ -419,18 +419,52 @@ fn bad_input_is_a_clear_error() {
             assert!(err.to_string().contains(needle), "{err}");
         }
         let scalar = Tensor::new(1f32, dev)?;
-        assert!(softmax_dims(&scalar, &[0])
+        assert!(softmax_dims(&scalar, [0])
             .unwrap_err()
             .to_string()
             .contains("rank-0"));
         let ints = Tensor::zeros((2, 3), DType::U32, dev)?;
-        assert!(log_softmax_dims(&ints, &[1])
+        assert!(log_softmax_dims(&ints, [1])
             .unwrap_err()
             .to_string()
             .contains("unsupported dtype"));
         // Empty tensors are fine.
         let empty = Tensor::zeros((0, 4), DType::F32, dev)?;
-        assert_eq!(softmax_dims(&empty, &[1])?.dims(), [0, 4]);
+        assert_eq!(softmax_dims(&empty, [1])?.dims(), [0, 4]);
         Ok(())
     })
+}
+
+/// `dims` as candle's `D`, a single `usize`, arrays, vectors and slices all name the same dims.
+#[test]
+fn dims_in_every_form_agree() -> Result<()> {
+    use candle_fastops::ReduceDims;
+    for_each_device(|dev| {
+        let xs = rand_tensor(&[3, 5, 7], 2.0, DType::F32, dev, 9100)?;
+        let want = to_f64(&softmax_dims(&xs, &[0, 2][..])?)?;
+        let forms: Vec<Box<dyn ReduceDims>> = vec![
+            Box::new([0usize, 2]),
+            Box::new(vec![2usize, 0]),
+            Box::new([D::Minus(3), D::Minus1]),
+        ];
+        for (i, dims) in forms.iter().enumerate() {
+            let got = to_f64(&softmax_dims(&xs, &**dims)?)?;
+            assert_close(&got, &want, 0.0, &format!("form {i}"));
+        }
+        let last = to_f64(&log_softmax_dims(&xs, D::Minus1)?)?;
+        assert_close(
+            &last,
+            &to_f64(&log_softmax_dims(&xs, 2)?)?,
+            0.0,
+            "D::Minus1",
+        );
+        assert!(softmax_dims(&xs, D::Minus(4)).is_err(), "D past the rank");
+        let bias = rand_tensor(&[5], 1.0, DType::F32, dev, 9101)?;
+        let a = to_f64(&candle_fastops::bias_add(&xs, &bias, D::Minus2)?)?;
+        let b = to_f64(&candle_fastops::bias_add(&xs, &bias, 1)?)?;
+        assert_close(&a, &b, 0.0, "bias_add D::Minus2");
+        assert!(candle_fastops::bias_add(&xs, &bias, D::Minus(4)).is_err());
+        Ok(())
+    });
+    Ok(())
 }

@@ -66,7 +66,7 @@ impl Work {
         opt.step(&grads)?;
         Ok(vec![
             bits(candle_fastops::bias_add(&self.xs, &self.bias, 1)?)?,
-            bits(candle_fastops::softmax_dims(&self.xs, &[0, 2])?)?,
+            bits(candle_fastops::softmax_dims(&self.xs, [0, 2])?)?,
             bits(candle_fastops::sparse_linear(
                 &self.idx,
                 None,
