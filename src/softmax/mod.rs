@@ -63,8 +63,8 @@ pub fn log_softmax_dims(xs: &Tensor, dims: impl ReduceDims) -> Result<Tensor> {
 }
 
 /// The dims [`softmax_dims`] / [`log_softmax_dims`] normalise over: one dim (`usize` or
-/// candle's [`D`]), or a list of them (`&[usize]`, `[usize; N]`, `Vec<usize>`, `[D; N]`, `&[D]`,
-/// and references to these). The list itself (no duplicates, each in range) is checked by the
+/// candle's [`D`]), a list of them (`&[usize]`, `[usize; N]`, `Vec<usize>`, `[D; N]`, `&[D]`,
+/// and references to these), or a [`ReducePlan`] built for the tensor's shape. The list itself (no duplicates, each in range) is checked by the
 /// op, with an error naming it.
 pub trait ReduceDims {
     /// The dims as indexes into `shape` (`D` forms resolved against its rank).
@@ -110,6 +110,20 @@ impl ReduceDims for [D] {
 impl<const N: usize> ReduceDims for [D; N] {
     fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
         self[..].dims_of(shape, op)
+    }
+}
+
+/// A [`ReducePlan`] names its dims too; it must have been built for the tensor's shape.
+impl ReduceDims for ReducePlan {
+    fn dims_of(&self, shape: &Shape, op: &'static str) -> Result<Vec<usize>> {
+        if self.shape() != shape.dims() {
+            bail!(
+                "{op}: the plan was built for shape {:?}, the tensor is {:?}",
+                self.shape(),
+                shape.dims()
+            );
+        }
+        Ok(self.dims().to_vec())
     }
 }
 

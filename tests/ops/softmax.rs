@@ -451,6 +451,15 @@ fn dims_in_every_form_agree() -> Result<()> {
             let got = to_f64(&softmax_dims(&xs, &**dims)?)?;
             assert_close(&got, &want, 0.0, &format!("form {i}"));
         }
+        let plan = candle_fastops::ReducePlan::new(xs.dims(), &[2, 0])?;
+        let planned = to_f64(&softmax_dims(&xs, &plan)?)?;
+        assert_close(&planned, &want, 0.0, "a ReducePlan");
+        let other = candle_fastops::ReducePlan::new(&[3, 5, 8], &[2, 0])?;
+        let e = softmax_dims(&xs, &other).expect_err("plan of another shape");
+        assert!(
+            e.to_string().contains("the plan was built for shape"),
+            "{e}"
+        );
         let last = to_f64(&log_softmax_dims(&xs, D::Minus1)?)?;
         assert_close(
             &last,
