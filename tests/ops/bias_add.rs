@@ -3,7 +3,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{bias_add, bias_add_};
 
 /// f64 reference: `xs[.., i, ..] + bias[i]` along `dim`, in row-major order.
-fn reference(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Vec<f64>> {
+pub(crate) fn reference(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Vec<f64>> {
     let x = to_f64(xs)?;
     let b = to_f64(bias)?;
     let inner: usize = xs.dims()[dim + 1..].iter().product();

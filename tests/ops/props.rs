@@ -108,15 +108,6 @@ fn gpus(dtype: DType) -> Vec<Device> {
     gpu().into_iter().filter(|_| dtype != DType::F64).collect()
 }
 
-/// Row-major strides of `shape`.
-fn strides(shape: &[usize]) -> Vec<usize> {
-    let mut s = vec![1; shape.len()];
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        s[d] = s[d + 1] * shape[d + 1];
-    }
-    s
-}
-
 #[test]
 fn bias_add_agrees() {
     let strategy = (1usize..=4).prop_flat_map(|rank| {
@@ -137,11 +128,7 @@ fn bias_add_agrees() {
             Ok((xs, bias, ys))
         };
         let (xs, bias, ys) = ys_of(&Device::Cpu)?;
-        let (x, b) = (to_f64(&xs)?, to_f64(&bias)?);
-        let st = strides(&shape);
-        let expected: Vec<f64> = (0..x.len())
-            .map(|i| x[i] + b[(i / st[dim]) % shape[dim]])
-            .collect();
+        let expected = crate::bias_add::reference(&xs, &bias, dim)?;
         let cpu = to_f64(&ys)?;
         close(&cpu, &expected, tolerance(dtype), "bias_add CPU vs f64")?;
         for dev in gpus(dtype) {
@@ -183,34 +170,7 @@ fn softmax_dims_agrees() {
         };
         let xs = view(&shape, dtype, &Device::Cpu, salt, kind)?;
         let cpu = to_f64(&op(&xs)?)?;
-        // f64 reference: group elements by their kept coordinates.
-        let x = to_f64(&xs)?;
-        let st = strides(&shape);
-        let key = |i: usize| -> Vec<usize> {
-            (0..shape.len())
-                .filter(|d| !dims.contains(d))
-                .map(|d| (i / st[d]) % shape[d])
-                .collect()
-        };
-        let mut groups: std::collections::HashMap<Vec<usize>, Vec<usize>> = Default::default();
-        for i in 0..x.len() {
-            groups.entry(key(i)).or_default().push(i);
-        }
-        let mut expected = vec![0f64; x.len()];
-        for members in groups.values() {
-            let m = members
-                .iter()
-                .map(|&i| x[i])
-                .fold(f64::NEG_INFINITY, f64::max);
-            let s: f64 = members.iter().map(|&i| (x[i] - m).exp()).sum();
-            for &i in members {
-                expected[i] = if log {
-                    x[i] - m - s.ln()
-                } else {
-                    (x[i] - m).exp() / s
-                };
-            }
-        }
+        let expected = crate::softmax::reference(&to_f64(&xs)?, &shape, &dims, log);
         let tol = 4.0 * tolerance(dtype);
         close(&cpu, &expected, tol, "softmax CPU vs f64")?;
         for dev in gpus(dtype) {

@@ -717,3 +717,32 @@ fn mismatched_state_files_are_errors_that_change_nothing() -> Result<()> {
     std::fs::remove_file(&path).ok();
     Ok(())
 }
+
+/// On CUDA the step writes parameters in place while it reads the gradients: a gradient that
+/// shares a parameter's memory is an error from that step, which changes nothing. (On the CPU
+/// the step computes every new value before writing any, so there is nothing to refuse.)
+#[test]
+fn cuda_step_refuses_a_gradient_aliasing_its_parameter() -> Result<()> {
+    let Some(dev) = gpu() else {
+        return Ok(());
+    };
+    let mlp = MlpWeights::from_safetensors(MLP, &dev)?;
+    let w = Var::from_tensor(&rand_tensor(&[6, 5], 1.0, DType::F32, &dev, 81)?)?;
+    let mut opt = SmallFcLOpt::new(vec![w.clone()], ParamsSmallFcLOpt::new(mlp))?;
+    let before = to_f64(w.as_tensor())?;
+    let mut grads = GradStore::default();
+    grads.insert(w.as_tensor(), w.as_tensor().reshape((6, 5))?);
+    let e = opt.step(&grads).expect_err("aliased gradient");
+    assert!(e.to_string().contains("share memory"), "{e}");
+    assert_eq!(to_f64(w.as_tensor())?, before, "the parameter changed");
+    assert_eq!(opt.steps_taken(), 0);
+    // A fresh gradient then steps normally.
+    let mut grads = GradStore::default();
+    grads.insert(
+        w.as_tensor(),
+        rand_tensor(&[6, 5], 1.0, DType::F32, &dev, 82)?,
+    );
+    opt.step(&grads)?;
+    assert_ne!(to_f64(w.as_tensor())?, before);
+    Ok(())
+}

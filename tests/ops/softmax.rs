@@ -4,7 +4,7 @@ use candle_fastops::{log_softmax_dims, softmax_dims};
 
 /// f64 reference, independent of ReducePlan: each element's group is the row-major index of
 /// its kept coordinates.
-fn reference(x: &[f64], shape: &[usize], dims: &[usize], log: bool) -> Vec<f64> {
+pub(crate) fn reference(x: &[f64], shape: &[usize], dims: &[usize], log: bool) -> Vec<f64> {
     let rank = shape.len();
     let n: usize = shape.iter().product();
     let mut group_of = vec![0usize; n];
