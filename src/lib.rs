@@ -64,6 +64,7 @@ mod cpu;
 mod cuda;
 mod determinism;
 mod dispatch;
+mod kernel_constants;
 mod matmul;
 pub mod optim;
 mod poison;

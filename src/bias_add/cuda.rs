@@ -1,13 +1,12 @@
 use super::{CacheHint, ChannelMap};
 use crate::cuda::{grid_stride_config, Kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
-use candle_core::cuda_backend::kernel_name;
 use candle_core::{CudaDevice, Result, WithDType};
 
 /// The kernel keeps the bias in the default 48 KiB of dynamic shared memory when it fits
 /// (12288 f32 channels) and reads it through L1 otherwise.
 const MAX_SHARED_BIAS_BYTES: usize = 48 * 1024;
-const THREADS: u32 = 256;
+const THREADS: u32 = crate::kernel_constants::bias_add::THREADS as u32;
 /// Blocks per SM in the grid: 58 registers per thread allow at most 4 resident blocks of 256
 /// threads; a sweep of 1..8 on the H200 (BENCHMARKS.md) was best at 2 for 4-byte and 3 for
 /// 2-byte types. `FASTOPS_BIAS_ADD_BLOCKS_PER_SM` overrides it for tuning runs.
@@ -17,8 +16,8 @@ fn blocks_per_sm(elem_bytes: usize) -> u32 {
         .unwrap_or(if elem_bytes >= 4 { 2 } else { 3 })
 }
 
-/// 16-byte vectors each thread loads before using the first (`UNROLL` in the kernel).
-const UNROLL: u64 = 4;
+/// 16-byte vectors each thread loads before using the first.
+const UNROLL: u64 = crate::kernel_constants::bias_add::UNROLL as u64;
 
 /// Where the kernel reads and writes.
 pub(super) enum SrcDst<'v, 's, T> {
@@ -60,7 +59,7 @@ pub(super) fn launch_bias_add<T: WithDType>(
     // access by `n` and `channels`.
     // A null source tells the kernel to read from the destination.
     let in_place_src = 0u64;
-    let kernel = Kernel::load(dev, Module::BiasAdd, &kernel_name::<T>(base))?;
+    let kernel = Kernel::load_typed::<T>(dev, Module::BiasAdd, &[base])?;
     unsafe {
         kernel.launch(cfg, |args| {
             match src_dst {

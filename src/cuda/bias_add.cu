@@ -23,7 +23,7 @@ template <typename T, CacheHint H>
 __device__ void bias_add(const T* src, T* dst, const T* bias, uint64_t n, uint64_t inner,
                          uint32_t channels, uint32_t bias_in_smem) {
     constexpr int VEC = vec_width<T>();
-    constexpr int UNROLL = 4;
+    constexpr int UNROLL = fastops_constants::bias_add::UNROLL;
     if (src == nullptr) src = dst;
     extern __shared__ __align__(16) unsigned char smem_raw[];
 
@@ -140,7 +140,7 @@ __device__ void bias_add(const T* src, T* dst, const T* bias, uint64_t n, uint64
 }  // namespace
 
 #define BIAS_ADD_KERNEL(NAME, HINT, T, SUFFIX)                                                     \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_##SUFFIX(const T* src, T* dst, const T* bias, uint64_t n,  \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::bias_add::THREADS) NAME##_##SUFFIX(const T* src, T* dst, const T* bias, uint64_t n,  \
                                                uint64_t inner, uint32_t channels,                \
                                                uint32_t bias_in_smem) {                          \
         bias_add<T, HINT>(src, dst, bias, n, inner, channels, bias_in_smem);                     \

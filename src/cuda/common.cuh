@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "fastops_constants.cuh"
 
 namespace fastops {
 

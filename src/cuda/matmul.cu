@@ -37,17 +37,21 @@ using namespace fastops;
 
 namespace {
 
-constexpr int TILE = 128;  // output tile edge; mirrors `TILE` in src/matmul_core.rs
+using fastops_constants::matmul::TILE;  // output tile edge
 constexpr int BK = 8;
-constexpr int THREADS = 256;
+using fastops_constants::matmul::THREADS;
 // Row stride of the k-major shared tiles: 132 spreads the FMA kernels' transposed stores over
 // the banks; 136 (8 mod 32) makes the mma fragment loads (4 k rows x 8 outer) conflict-free.
 template <bool TC> __host__ __device__ constexpr int smem_stride() { return TC ? TILE + 8 : TILE + 4; }
 
-enum LoadMode : int { K_CONTIGUOUS = 0, OUTER_CONTIGUOUS = 1, STRIDED = 2 };
+enum LoadMode : int {
+    K_CONTIGUOUS = fastops_constants::matmul::K_CONTIGUOUS,
+    OUTER_CONTIGUOUS = fastops_constants::matmul::OUTER_CONTIGUOUS,
+    STRIDED = fastops_constants::matmul::STRIDED
+};
 
 // One operand as the kernels see it: element strides of a [batch, outer, k] view (outer = m for
-// A, n for B). Mirrors `OperandArgs` in src/matmul_core.rs (repr(C)).
+// A, n for B). Mirrors `OperandArgs` in src/matmul/core/ (repr(C)).
 struct Operand {
     int64_t batch_stride;
     int64_t outer_stride;
@@ -57,7 +61,7 @@ struct Operand {
 };
 static_assert(sizeof(Operand) == 32, "Operand is mirrored by a Rust #[repr(C)] struct of 32 bytes");
 
-// Mirrors `ProblemArgs` in src/matmul_core.rs.
+// Mirrors `ProblemArgs` in src/matmul/core/.
 struct Problem {
     Operand a, b;
     int64_t batch, m, n, k;
@@ -343,13 +347,12 @@ template <typename T> __host__ __device__ constexpr int outer_row() { return TIL
 static_assert(stage_k<uint16_t>() * outer_row<uint16_t>() * 2 <= STAGE_BYTES, "16-bit [k][outer] fits a stage");
 static_assert(stage_k<float>() * outer_row<float>() * 4 <= STAGE_BYTES, "f32 [k][outer] fits a stage");
 
-// Dynamic shared memory of the async kernels: 81920 bytes, `ASYNC_SHARED_BYTES` in
-// src/matmul_core.rs.
+// Dynamic shared memory of the async kernels (`matmul::ASYNC_SHARED_BYTES` on the host).
 struct AsyncStaging {
     uint8_t a[STAGES][STAGE_BYTES];
     uint8_t b[STAGES][STAGE_BYTES];
 };
-static_assert(sizeof(AsyncStaging) == 81920, "mirrors ASYNC_SHARED_BYTES");
+static_assert(sizeof(AsyncStaging) == fastops_constants::matmul::ASYNC_SHARED_BYTES, "the host sizes the launch by it");
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
@@ -718,9 +721,13 @@ struct TileIndex {
 // ---------------------------------------------------------------------------------------------
 // masked_bmm
 
-enum TileState : uint8_t { EMPTY = 0, PARTIAL = 1, FULL = 2 };  // mirrors src/masked_bmm.rs
+enum TileState : uint8_t {
+    EMPTY = fastops_constants::matmul::TILE_EMPTY,
+    PARTIAL = fastops_constants::matmul::TILE_PARTIAL,
+    FULL = fastops_constants::matmul::TILE_FULL
+};
 
-// Mirrors `MaskArgs` in src/masked_bmm.rs.
+// Mirrors `MaskArgs` in src/matmul/masked_bmm/cuda.rs.
 struct MaskArgs {
     int64_t mask_batch_stride;  // elements between batches of the mask (0: one mask for all)
     int64_t plan_batch_stride;  // tiles between batches of the plan (0: one plan for all)
@@ -803,7 +810,7 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 // tile along its row or column of tiles. The masked gradient is zero outside the mask, so tiles
 // outside the span add nothing; a causal mask halves the work.
 
-// Mirrors `SpanArgs` in src/masked_bmm_grad.rs.
+// Mirrors `SpanArgs` in src/matmul/backward/cuda.rs.
 struct SpanArgs {
     int64_t spans_batch_stride;  // u32 pairs between batches of the spans (0: one set for all)
     int32_t by_cols;             // spans indexed by the output's column tile (else its row tile)
@@ -984,17 +991,17 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
 // exact f16 / bf16); the async core: `name_h16_<dtype>` (f16 / bf16), `name_tf32_f32` (f32 rounded
 // to TF32) and `name_tf32x3_f32` (f32 in three TF32 passes).
 #define MATMUL_KERNELS(T, SUFFIX, VARIANT, CORE)                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, fastops_constants::matmul::BLOCKS_PER_SM)                            \
         masked_bmm##VARIANT##SUFFIX(const T* a, const T* b, const uint8_t* mask, const uint8_t* plan,     \
                                     T* out, Problem p, MaskArgs mk) {                                      \
         masked_bmm<T, CORE>(a, b, mask, plan, out, p, mk);                                                 \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, fastops_constants::matmul::BLOCKS_PER_SM)                            \
         argmin_matmul##VARIANT##SUFFIX(const T* a, const T* b, const float* bias,                          \
                                        unsigned long long* keys, Problem p, ArgminArgs am) {               \
         argmin_matmul<T, CORE>(a, b, bias, keys, p, am);                                                   \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, fastops_constants::matmul::BLOCKS_PER_SM)                            \
         span_matmul##VARIANT##SUFFIX(const T* a, const T* b, const uint32_t* spans, T* out, Problem p,     \
                                      SpanArgs sa) {                                                        \
         span_matmul<T, CORE>(a, b, spans, out, p, sa);                                                     \

@@ -12,6 +12,11 @@ mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 
+/// The kernel names each module's PTX defines, read from the PTX by `build.rs`.
+mod entries {
+    include!(concat!(env!("OUT_DIR"), "/entries.rs"));
+}
+
 /// One PTX module per kernel file. Names are prefixed with the crate name so they cannot collide
 /// with other custom modules in candle's per-device module cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +39,16 @@ impl Module {
         }
     }
 
+    fn entries(self) -> &'static [&'static str] {
+        match self {
+            Module::BiasAdd => entries::BIAS_ADD,
+            Module::Softmax => entries::SOFTMAX,
+            Module::SparseLinear => entries::SPARSE_LINEAR,
+            Module::SmallFcLOpt => entries::SMALL_FC_LOPT,
+            Module::Matmul => entries::MATMUL,
+        }
+    }
+
     fn ptx(self) -> &'static str {
         match self {
             Module::BiasAdd => ptx::BIAS_ADD,
@@ -52,13 +67,40 @@ pub(crate) struct Kernel {
 }
 
 impl Kernel {
-    /// Loads `name` from `module`, compiling the module's PTX on its first use on this device.
-    pub(crate) fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<Self> {
-        let func = dev.get_or_load_custom_func(name, module.name(), module.ptx())?;
+    /// Loads the kernel named by `parts` joined with `_` (empty parts left out) from `module`,
+    /// compiling the module's PTX on its first use on this device. Every kernel name of the
+    /// crate is assembled here, and checked against the names the PTX defines.
+    pub(crate) fn load(dev: &CudaDevice, module: Module, parts: &[&str]) -> Result<Self> {
+        let name = parts
+            .iter()
+            .filter(|part| !part.is_empty())
+            .copied()
+            .collect::<Vec<_>>()
+            .join("_");
+        if module.entries().binary_search(&name.as_str()).is_err() {
+            candle_core::bail!(
+                "candle-fastops: no kernel `{name}` in {} (this build has {:?})",
+                module.name(),
+                module.entries()
+            );
+        }
+        let func = dev.get_or_load_custom_func(&name, module.name(), module.ptx())?;
         Ok(Self {
             func: func.into_cuda_function(),
             stream: dev.cuda_stream(),
         })
+    }
+
+    /// [`Kernel::load`] of the `T` instance of a kernel built for every float dtype (the name
+    /// gets `T`'s dtype as its last part: `bias_add_f32`, `softmax_fused_vec_bf16`).
+    pub(crate) fn load_typed<T: candle_core::WithDType>(
+        dev: &CudaDevice,
+        module: Module,
+        parts: &[&str],
+    ) -> Result<Self> {
+        let mut parts = parts.to_vec();
+        parts.push(T::DTYPE.as_str());
+        Self::load(dev, module, &parts)
     }
 
     /// The one launch path of the crate: pushes the kernel's arguments and launches it on the

@@ -1,4 +1,4 @@
-// small_fc_lopt: one optimizer step over many tensors at once (src/optim/multi_tensor.rs). A launch
+// small_fc_lopt: one optimizer step over many tensors at once (src/optim/small_fc_lopt/cuda.rs). A launch
 // covers a group of up to GROUP tensors; its blocks walk a static list of fixed-size chunks of those
 // tensors, so a model with hundreds of tensors costs a handful of launches, not thousands. In order:
 //   lopt_square_sums: per matrix, the sums of g^2 over axis d0 and over axis d1 (the Adafactor
@@ -15,12 +15,12 @@
 
 namespace {
 
-constexpr int THREADS = 256;
+using fastops_constants::small_fc_lopt::FEATURES;
+using fastops_constants::small_fc_lopt::GROUP;
+using fastops_constants::small_fc_lopt::HIDDEN;
+using fastops_constants::small_fc_lopt::THREADS;
 constexpr int WARPS = THREADS / 32;
-constexpr int FEATURES = 28;
-constexpr int HIDDEN = 32;
-constexpr int GROUP = 128;
-constexpr uint64_t CHUNK = 8192;
+constexpr uint64_t CHUNK = fastops_constants::small_fc_lopt::CHUNK;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
 // Division by a per-tensor constant: a multiply-high and a shift for 32-bit dividends (round-up
@@ -42,7 +42,7 @@ __device__ __forceinline__ uint64_t drop_axis(uint64_t e, const Divisor& inner, 
     return quotient(e, outer, wide) * inner.d + (e - quotient(e, inner, wide) * inner.d);
 }
 
-// Mirrors `LoptMeta` in src/optim/multi_tensor.rs (repr(C)); one per tensor, built once.
+// Mirrors `LoptMeta` in src/optim/small_fc_lopt/cuda.rs (repr(C)); one per tensor, built once.
 struct LoptMeta {
     uint64_t n;
     uint64_t elem;              // [4, n] (momentum 0..2, rms) in the element-state buffer
@@ -141,7 +141,7 @@ __device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*parti
 
 // Shared-memory slots per reduction for a run's partial sums, and chunks per run.
 constexpr int SLOTS = 4096;
-constexpr uint32_t RUN = 8;
+constexpr uint32_t RUN = fastops_constants::small_fc_lopt::SQUARE_SUM_RUN;
 
 namespace {
 
@@ -230,11 +230,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
 }
 
-constexpr int TILE_COLS = 1024;  // four columns per thread
+using fastops_constants::small_fc_lopt::TILE_COLS;  // four columns per thread
 static_assert(TILE_COLS == 4 * THREADS, "a tile row is one float4 per thread");
 constexpr int ROW_BATCH = 8;
 
-// Mirrors `SumTile` in src/optim/multi_tensor.rs: rows [row_start, row_start + rows) and columns
+// Mirrors `SumTile` in src/optim/small_fc_lopt/cuda.rs: rows [row_start, row_start + rows) and columns
 // [col_start, col_start + TILE_COLS) of a row-major 2-D gradient with `cols` columns.
 struct SumTile {
     uint32_t tensor, rows;

@@ -23,7 +23,7 @@ using namespace fastops;
 
 namespace {
 
-constexpr int MAX_BLOCKS = 6;
+using fastops_constants::softmax::MAX_BLOCKS;
 
 // n / d and n % d for n < 2^31 with one multiply-high (Granlund & Montgomery).
 struct FastDiv {
@@ -266,7 +266,9 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
 }
 
 // Units a thread of the cached kernel holds: 16 single elements, or 4 16-byte vectors.
-template <int W> __host__ __device__ constexpr int cached_units() { return W == 1 ? 16 : 4; }
+template <int W> __host__ __device__ constexpr int cached_units() {
+    return W == 1 ? fastops_constants::softmax::CACHED_ELEMENTS : fastops_constants::softmax::CACHED_VECTORS;
+}
 
 // Groups of at most cached_units<W>() * blockDim.y units (row-like groups in 16-byte vectors,
 // W > 1, or any group one element at a time), one read and one write per element. Block b
@@ -386,42 +388,42 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
 // `_rows` (prefetching, one resident wave; 3 blocks of 256 per SM) and `_cols` (a block per
 // column) forms of the one-read kernel.
 #define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 3) softmax_cached_rows##VARIANT##SUFFIX(             \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 3) softmax_cached_rows##VARIANT##SUFFIX(             \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, false, true>(x, y, layout, columns);                                          \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 3) log_softmax_cached_rows##VARIANT##SUFFIX(         \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 3) log_softmax_cached_rows##VARIANT##SUFFIX(         \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, true, true>(x, y, layout, columns);                                           \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 5) softmax_cached_cols##VARIANT##SUFFIX(              \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 5) softmax_cached_cols##VARIANT##SUFFIX(              \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, false, false>(x, y, layout, columns);                                         \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 5) log_softmax_cached_cols##VARIANT##SUFFIX(          \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 5) log_softmax_cached_cols##VARIANT##SUFFIX(          \
         const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
         softmax_cached<T, W, true, false>(x, y, layout, columns);                                          \
     }
 
 #define SOFTMAX_FORM(T, SUFFIX, VARIANT, W, LANES)                                                        \
-    extern "C" __global__ void __launch_bounds__(256) softmax_fused##VARIANT##SUFFIX(                     \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) softmax_fused##VARIANT##SUFFIX(                     \
         const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
         softmax_dims<T, W, LANES, false, Mode::Fused>(x, y, nullptr, layout, chunk_len);                   \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_fused##VARIANT##SUFFIX(                 \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) log_softmax_fused##VARIANT##SUFFIX(                 \
         const T* x, T* y, ReduceLayout layout, uint32_t chunk_len) {                                       \
         softmax_dims<T, W, LANES, true, Mode::Fused>(x, y, nullptr, layout, chunk_len);                    \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) softmax_partial##VARIANT##SUFFIX(                   \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) softmax_partial##VARIANT##SUFFIX(                   \
         const T* x, float2* partials, ReduceLayout layout, uint32_t chunk_len) {                           \
         softmax_dims<T, W, LANES, false, Mode::Partial>(x, nullptr, partials, layout, chunk_len);          \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) softmax_finish##VARIANT##SUFFIX(                    \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) softmax_finish##VARIANT##SUFFIX(                    \
         const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
         softmax_dims<T, W, LANES, false, Mode::Finish>(x, y, const_cast<float2*>(partials), layout,        \
                                                        chunk_len);                                         \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) log_softmax_finish##VARIANT##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) log_softmax_finish##VARIANT##SUFFIX(                \
         const T* x, T* y, const float2* partials, ReduceLayout layout, uint32_t chunk_len) {               \
         softmax_dims<T, W, LANES, true, Mode::Finish>(x, y, const_cast<float2*>(partials), layout,         \
                                                       chunk_len);                                          \
@@ -432,6 +434,6 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
     SOFTMAX_CACHED(T, SUFFIX, _vec_, (16 / sizeof(T)))      \
     SOFTMAX_FORM(T, SUFFIX, _, 1, false)                    \
     SOFTMAX_FORM(T, SUFFIX, _vec_, (16 / sizeof(T)), false) \
-    SOFTMAX_FORM(T, SUFFIX, _lanes_, 4, true)
+    SOFTMAX_FORM(T, SUFFIX, _lanes_, fastops_constants::softmax::LANE_WIDTH, true)
 
 FASTOPS_FLOAT_KERNELS(SOFTMAX_KERNELS)

@@ -22,7 +22,7 @@ using namespace fastops;
 namespace {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr int THREADS = 256;
+constexpr int THREADS = fastops_constants::sparse_linear::THREADS;
 constexpr int WARPS = THREADS / 32;
 
 // Mirrors `SparseShape` in src/sparse_linear/cuda.rs (repr(C)).

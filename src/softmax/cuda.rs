@@ -3,7 +3,6 @@ use crate::softmax::plan::{Block, ReducePlan, MAX_BLOCKS};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::kernel_name;
 use candle_core::{bail, CudaDevice, Result, WithDType};
 
 /// Mirrors `ReduceLayout` in `softmax.cu`.
@@ -71,21 +70,14 @@ enum Form {
     Lanes,
 }
 
-/// Groups per access in the "lanes" form (`_lanes_` kernels are built with W = 4).
-const LANE_WIDTH: usize = 4;
+use crate::kernel_constants::softmax::{CACHED_ELEMENTS, CACHED_VECTORS, LANE_WIDTH, THREADS};
 /// Column groups up to this size fit in the scalar kernels' registers (16 values x 8 y
 /// threads) and run faster there than in the lanes form, whose four accumulators cost four
 /// block reductions (H200: dims [0] of [32, 1024, 4096], 0.39 ms scalar, 0.47 ms lanes).
 const SCALAR_COLUMN_CACHE: usize = CACHED_ELEMENTS * MAX_COLUMN_LY;
 
-/// Threads per block; a block is `lx` groups wide and `ly` threads deep per group.
-const THREADS: usize = 256;
-/// What one thread of the `_cached` kernels holds (`cached_units` in `softmax.cu`): single
-/// elements, or 16-byte vectors.
-const CACHED_ELEMENTS: usize = 16;
 /// Most y threads per column-like group, so a warp still reads whole sectors.
 const MAX_COLUMN_LY: usize = 8;
-const CACHED_VECTORS: usize = 4;
 /// Fewest elements a thread should stream per chunk before splitting groups pays.
 const MIN_ELEMS_PER_THREAD: usize = 64;
 
@@ -140,8 +132,8 @@ pub(super) fn launch_softmax<T: WithDType>(
     let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
     let prefix = if log { "log_softmax" } else { "softmax" };
     let variant = match form {
-        Form::Vec(_) => "_vec",
-        Form::Lanes => "_lanes",
+        Form::Vec(_) => "vec",
+        Form::Lanes => "lanes",
         Form::Scalar => "",
     };
     // Units per thread that fit in the `_cached` kernels' registers (the other kernels size
@@ -161,11 +153,7 @@ pub(super) fn launch_softmax<T: WithDType>(
         // column, which measured faster there (H200, dims [0] of [32, 1024, 4096]: see
         // BENCHMARKS.md).
         let walk = if lanes == 1 { "rows" } else { "cols" };
-        let kernel = Kernel::load(
-            dev,
-            Module::Softmax,
-            &kernel_name::<T>(&format!("{prefix}_cached_{walk}{variant}")),
-        )?;
+        let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "cached", walk, variant])?;
         let columns = group_units.div_ceil(lx);
         let blocks = if lanes == 1 {
             let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;
@@ -211,11 +199,7 @@ pub(super) fn launch_softmax<T: WithDType>(
     // bounded by num_groups and group_size, whose offsets lie inside xs / ys by construction
     // of the plan for this shape.
     if chunks == 1 {
-        let kernel = Kernel::load(
-            dev,
-            Module::Softmax,
-            &kernel_name::<T>(&format!("{prefix}_fused{variant}")),
-        )?;
+        let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "fused", variant])?;
         return unsafe {
             kernel.launch(cfg, |args| {
                 args.arg(xs).arg(ys).arg(&layout).arg(&chunk_len);
@@ -223,21 +207,13 @@ pub(super) fn launch_softmax<T: WithDType>(
         };
     }
     let partials = alloc_output::<f32>(dev, 2 * groups * chunks)?;
-    let partial = Kernel::load(
-        dev,
-        Module::Softmax,
-        &kernel_name::<T>(&format!("softmax_partial{variant}")),
-    )?;
+    let partial = Kernel::load_typed::<T>(dev, Module::Softmax, &["softmax_partial", variant])?;
     unsafe {
         partial.launch(cfg, |args| {
             args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
         })?;
     }
-    let finish = Kernel::load(
-        dev,
-        Module::Softmax,
-        &kernel_name::<T>(&format!("{prefix}_finish{variant}")),
-    )?;
+    let finish = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "finish", variant])?;
     unsafe {
         finish.launch(cfg, |args| {
             args.arg(xs)

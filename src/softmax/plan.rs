@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Most kept or reduced blocks a plan may have (a rank-12 tensor with alternating dims).
-pub(crate) const MAX_BLOCKS: usize = 6;
+pub(crate) use crate::kernel_constants::softmax::MAX_BLOCKS;
 
 /// A block of merged adjacent dims: its size and the stride of its innermost element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

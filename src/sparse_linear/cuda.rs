@@ -3,7 +3,6 @@ use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, Kernel, Module
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::kernel_name;
 use candle_core::{bail, CudaDevice, Result, Storage, StorageRef, WithDType};
 
 /// Mirrors `SparseShape` in `src/cuda/sparse_linear.cu`.
@@ -27,7 +26,10 @@ const _: () = assert!(std::mem::size_of::<SparseShape>() == 72);
 // SAFETY: plain data with the C layout the kernels expect.
 unsafe impl DeviceRepr for SparseShape {}
 
-const THREADS: u32 = 256;
+/// Kernel name stems of the forward and backward.
+const FWD: &str = "sparse_linear_fwd";
+const BWD: &str = "sparse_linear_bwd";
+const THREADS: u32 = crate::kernel_constants::sparse_linear::THREADS as u32;
 const WARPS_PER_BLOCK: u64 = (THREADS / 32) as u64;
 
 /// How a kernel is launched: its variant, the width of its column stripes, and how many
@@ -232,8 +234,7 @@ pub(super) fn forward<T: WithDType + DeviceRepr>(
     // measured 3 best for f32 (one load per lane), 2 for 2-byte weights (two loads).
     let (loads, blocks) = if elem == 4 { (1, 3) } else { (2, 2) };
     let plan = StripePlan::new(dev, f, (vec, width, elem), loads, blocks)?;
-    let name = kernel_name::<T>(&format!("sparse_linear_fwd_{}", plan.variant));
-    let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+    let kernel = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[FWD, plan.variant])?;
     let cfg = plan.config(dev, tasks)?;
     let views = FeatureViews::new(f);
     let features = FeatureArgs::new(&views)?;
@@ -307,8 +308,7 @@ pub(super) fn backward<T: WithDType + DeviceRepr>(
     }
     let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
     let plan = StripePlan::new(dev, f, (vec, 4, 4), 1, 4)?;
-    let name = kernel_name::<T>(&format!("sparse_linear_bwd_{}", plan.variant));
-    let kernel = Kernel::load(dev, Module::SparseLinear, &name)?;
+    let kernel = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, plan.variant])?;
     let cfg = plan.config(dev, tasks)?;
     let views = FeatureViews::new(f);
     let features = FeatureArgs::new(&views)?;
@@ -475,11 +475,7 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
     let out_dim = f.out as u64;
     let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
     let variant = if vec { "vec" } else { "scalar" };
-    let gather = Kernel::load(
-        dev,
-        Module::SparseLinear,
-        &kernel_name::<T>(&format!("sparse_linear_bwd_sorted_{variant}")),
-    )?;
+    let gather = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, "sorted", variant])?;
     let cfg = grid_stride_config(dev, num_pieces * 32, THREADS, 8, 0)?;
     // SAFETY: the arguments match `sparse_linear_bwd_sorted_*(pieces, num_pieces, rows,
     // values, grad_out, out_dim, grad, scratch)`; every piece's [begin, end) lies in rows and
@@ -498,7 +494,7 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
         })?;
     }
     if num_groups > 0 {
-        let combine = Kernel::load(dev, Module::SparseLinear, "sparse_linear_bwd_combine")?;
+        let combine = Kernel::load(dev, Module::SparseLinear, &[BWD, "combine"])?;
         let cfg = grid_stride_config(dev, num_groups * out_dim, THREADS, 8, 0)?;
         // SAFETY: the arguments match `sparse_linear_bwd_combine(groups, num_groups,
         // scratch, out_dim, grad)`; each group's scratch rows lie in scratch, its key in grad.

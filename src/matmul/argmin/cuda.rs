@@ -18,8 +18,7 @@ const _: () = assert!(std::mem::size_of::<ArgminArgs>() == 16);
 // SAFETY: plain-old-data laid out as its C mirror.
 unsafe impl DeviceRepr for ArgminArgs {}
 
-/// Resident blocks per SM of the product kernels (`__launch_bounds__(256, 2)`).
-const BLOCKS_PER_SM: usize = 2;
+use crate::kernel_constants::matmul::BLOCKS_PER_SM;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
@@ -77,7 +76,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     }
     let rows64 = rows as u64;
     let cfg = grid_stride_config(dev, rows64, 256, 4, 0)?;
-    let finish = Kernel::load(dev, Module::Matmul, "argmin_keys_to_index")?;
+    let finish = Kernel::load(dev, Module::Matmul, &["argmin_keys_to_index"])?;
     // SAFETY: `argmin_keys_to_index(keys, out, rows)` with both buffers `rows` long.
     unsafe {
         finish.launch(cfg, |args| {

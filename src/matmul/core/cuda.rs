@@ -1,14 +1,13 @@
 use super::MatView;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::kernel_name;
 use candle_core::{DType, WithDType};
 
 /// Dynamic shared memory of the async core's kernels (`sizeof(AsyncStaging)` in the kernels).
-pub(crate) const ASYNC_SHARED_BYTES: usize = 81920;
+pub(crate) use crate::kernel_constants::matmul::ASYNC_SHARED_BYTES;
 
-/// The kernel of `base` for `T` and `problem` (see [`core_kernel_name`]), loaded, and the
+/// The kernel of `base` for `T` and `problem` (see [`core_variant`]), loaded, and the
 /// configuration of a launch of `blocks` blocks of the core (one output tile or column group
-/// each; 256 threads, the dynamic shared memory of the async core). `op` names the caller in
+/// each; `THREADS` threads, the dynamic shared memory of the async core). `op` names the caller in
 /// the error for a grid too large to launch.
 pub(crate) fn core_launch<T: WithDType>(
     dev: &candle_core::CudaDevice,
@@ -22,8 +21,8 @@ pub(crate) fn core_launch<T: WithDType>(
     if blocks > i32::MAX as usize {
         candle_core::bail!("{op}: too many output tiles ({blocks})");
     }
-    let (name, is_async) = core_kernel_name::<T>(base, problem, mode);
-    let kernel = Kernel::load(dev, Module::Matmul, &name)?;
+    let (variant, is_async) = core_variant::<T>(problem, mode);
+    let kernel = Kernel::load_typed::<T>(dev, Module::Matmul, &[base, variant])?;
     let shared_mem_bytes = if is_async {
         kernel.allow_dynamic_shared(ASYNC_SHARED_BYTES)?;
         ASYNC_SHARED_BYTES as u32
@@ -32,40 +31,34 @@ pub(crate) fn core_launch<T: WithDType>(
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (crate::kernel_constants::matmul::THREADS as u32, 1, 1),
         shared_mem_bytes,
     };
     Ok((kernel, cfg))
 }
 
-/// The kernel of `base` (`masked_bmm`, `argmin_matmul`) for `T`, and whether it is one of the
-/// async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
+/// The kernel variant of the core for `T` (a kernel is `{base}_{variant}_{dtype}`, `base` being
+/// `masked_bmm`, `argmin_matmul`...), and whether it is one of the async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
 /// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by `mode`:
 /// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
 /// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
-fn core_kernel_name<T: WithDType>(
-    base: &str,
-    problem: &ProblemArgs,
-    mode: super::F32Matmul,
-) -> (String, bool) {
+fn core_variant<T: WithDType>(problem: &ProblemArgs, mode: super::F32Matmul) -> (&'static str, bool) {
     use super::F32Matmul;
     let copyable = problem.copyable(T::DTYPE.size_in_bytes())
         && crate::cuda::tuning("FASTOPS_MATMUL_ASYNC").unwrap_or(1) != 0;
     let variant = match (T::DTYPE, mode, copyable) {
         (DType::F32, F32Matmul::Fma, _) | (DType::F32, F32Matmul::Compensated, false) => "",
-        (DType::F32, F32Matmul::Compensated, true) => "_tf32x3",
-        (DType::F32, F32Matmul::Tf32, true) => "_tf32",
-        (_, _, false) => "_tc",
-        (_, _, true) => "_h16",
+        (DType::F32, F32Matmul::Compensated, true) => "tf32x3",
+        (DType::F32, F32Matmul::Tf32, true) => "tf32",
+        (_, _, false) => "tc",
+        (_, _, true) => "h16",
     };
-    let is_async = copyable && !variant.is_empty() && variant != "_tc";
-    (kernel_name::<T>(&format!("{base}{variant}")), is_async)
+    let is_async = copyable && !variant.is_empty() && variant != "tc";
+    (variant, is_async)
 }
 
 /// How a block's threads map onto an operand tile for coalesced loads.
-const K_CONTIGUOUS: i32 = 0;
-const OUTER_CONTIGUOUS: i32 = 1;
-const STRIDED: i32 = 2;
+use crate::kernel_constants::matmul::{K_CONTIGUOUS, OUTER_CONTIGUOUS, STRIDED};
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]

@@ -121,7 +121,7 @@ impl MatmulOptions {
 }
 
 /// Output tile edge of the CUDA kernels, and the tile a [`crate::MaskPlan`] summarises.
-pub(crate) const TILE: usize = 128;
+pub(crate) use crate::kernel_constants::matmul::TILE;
 
 /// A batch of matrices `[batch, rows, cols]` in a storage buffer, in element strides. A batch
 /// stride of 0 repeats one matrix for every batch entry (broadcast).

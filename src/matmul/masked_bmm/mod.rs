@@ -16,9 +16,9 @@ use std::sync::{Arc, OnceLock};
 const OP: &str = "masked_bmm";
 
 /// Tile states of a [`MaskPlan`], as stored in its tensor and read by the kernels.
-const EMPTY: u8 = 0;
-const PARTIAL: u8 = 1;
-const FULL: u8 = 2;
+use crate::kernel_constants::matmul::{
+    TILE_EMPTY as EMPTY, TILE_FULL as FULL, TILE_PARTIAL as PARTIAL,
+};
 // The plan is computed as `any(keep) + all(keep)` per tile, which gives exactly these values.
 const _: () = assert!(EMPTY == 0 && PARTIAL == 1 && FULL == 2);
 

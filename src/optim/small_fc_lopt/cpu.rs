@@ -7,9 +7,8 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, StorageRef, Tensor};
 use rayon::prelude::*;
 
-const OP: &str = "small_fc_lopt";
-pub(super) const FEATURES: usize = 28;
-pub(super) const HIDDEN: usize = 32;
+use super::OP;
+pub(super) use crate::kernel_constants::small_fc_lopt::{FEATURES, HIDDEN};
 /// `w_in[:, :28]`, `b_eff`, `w_1`, `b_1`, `w_out`, `b_out`, packed.
 pub(super) const MLP_FLOATS: usize =
     HIDDEN * FEATURES + HIDDEN + HIDDEN * HIDDEN + HIDDEN + 2 * HIDDEN + 2;

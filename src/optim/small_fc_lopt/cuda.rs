@@ -13,17 +13,12 @@ use crate::cuda::{FastDiv, Kernel, Module};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-const OP: &str = "small_fc_lopt";
-/// Tensors per launch (the size of the kernels' `StepTensors` argument).
-const GROUP: usize = 128;
-/// Elements per chunk (`CHUNK` in the kernels).
-const CHUNK: usize = 8192;
-const THREADS: u32 = 256;
-/// Chunks per work item of the square-sum kernel (`RUN` there).
-const SQUARE_SUM_RUN: u32 = 8;
-/// Rows and columns of a square-sum tile of a 2-D gradient (`TILE_COLS` in the kernels).
+use super::OP;
+use crate::kernel_constants::small_fc_lopt::{CHUNK, GROUP, TILE_COLS};
+const THREADS: u32 = crate::kernel_constants::small_fc_lopt::THREADS as u32;
+const SQUARE_SUM_RUN: u32 = crate::kernel_constants::small_fc_lopt::SQUARE_SUM_RUN as u32;
+/// Rows of a square-sum tile of a 2-D gradient.
 const TILE_ROWS: usize = 256;
-const TILE_COLS: usize = 1024;
 /// The narrowest row the tiled square sums take (narrower matrices keep the chunk walk, which
 /// does not leave most of a block idle).
 const TILE_MIN_COLS: usize = 512;
@@ -448,19 +443,19 @@ impl DeviceState {
         // SAFETY: `scratch` addresses the scratch tensor's f32 elements (write-locked by the
         // caller; only this step's kernels use it, on the device's stream).
         unsafe { crate::cuda::fill_bytes_at(dev, scratch, scratch_bytes, 0) }?;
-        let square_sums = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums")?;
-        let square_sums_tiled = Kernel::load(dev, Module::SmallFcLOpt, "lopt_square_sums_tiled")?;
-        let factors = Kernel::load(dev, Module::SmallFcLOpt, "lopt_factors")?;
-        let stats = Kernel::load(dev, Module::SmallFcLOpt, "lopt_stats")?;
-        let update_name = if tensor_cores {
+        let square_sums = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums"])?;
+        let square_sums_tiled = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_tiled"])?;
+        let factors = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_factors"])?;
+        let stats = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_stats"])?;
+        let update_name: &[&str] = if tensor_cores {
             // Which layers split their f16 operands (bit 1: input layer, bit 0: hidden layer);
             // both by default, other choices for accuracy / speed studies.
-            let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3);
-            format!("lopt_update_mma_{}{}", (split >> 1) & 1, split & 1)
+            let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3) & 3;
+            &["lopt_update_mma", ["00", "01", "10", "11"][split as usize]]
         } else {
-            "lopt_update_fma".to_string()
+            &["lopt_update_fma"]
         };
-        let update = Kernel::load(dev, Module::SmallFcLOpt, &update_name)?;
+        let update = Kernel::load(dev, Module::SmallFcLOpt, update_name)?;
         // Grid caps (resident blocks of each kernel), queried once per step.
         let sms = crate::cuda::sm_count(dev)?;
         let cap = |kernel: &Kernel| -> Result<u32> {

@@ -1,6 +1,6 @@
 //! The optimizer's MLP: its published weights, loaded and checked, and the per-step packing.
 
-use super::{cpu, HIDDEN, NORMALISED, NUM_FEATURES, OPT, TIME_SCALES};
+use super::{cpu, HIDDEN, NORMALISED, NUM_FEATURES, OP, TIME_SCALES};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -32,7 +32,7 @@ impl MlpWeights {
         let path = path.as_ref();
         let tensors = candle_core::safetensors::load(path, device).map_err(|e| {
             candle_core::Error::Msg(format!(
-                "{OPT}: cannot read MLP weights from {}: {e}",
+                "{OP}: cannot read MLP weights from {}: {e}",
                 path.display()
             ))
         })?;
@@ -44,17 +44,17 @@ impl MlpWeights {
         let mut found = Vec::with_capacity(6);
         for (name, shape) in WEIGHT_NAMES {
             let Some(t) = tensors.get(name) else {
-                bail!("{OPT}: MLP weights are missing tensor `{name}` (shape {shape:?})");
+                bail!("{OP}: MLP weights are missing tensor `{name}` (shape {shape:?})");
             };
             if t.dims() != shape {
                 bail!(
-                    "{OPT}: MLP tensor `{name}` has shape {:?}, expected {shape:?}",
+                    "{OP}: MLP tensor `{name}` has shape {:?}, expected {shape:?}",
                     t.dims()
                 );
             }
             if t.dtype() != DType::F32 {
                 bail!(
-                    "{OPT}: MLP tensor `{name}` is {:?}, expected f32",
+                    "{OP}: MLP tensor `{name}` is {:?}, expected f32",
                     t.dtype()
                 );
             }
@@ -71,7 +71,7 @@ impl MlpWeights {
         for (name, shape) in WEIGHT_NAMES {
             let t = vb
                 .get(shape, name)
-                .map_err(|e| candle_core::Error::Msg(format!("{OPT}: MLP tensor `{name}`: {e}")))?;
+                .map_err(|e| candle_core::Error::Msg(format!("{OP}: MLP tensor `{name}`: {e}")))?;
             map.insert(name.to_string(), t.to_dtype(DType::F32)?);
         }
         Self::from_tensors(&map)

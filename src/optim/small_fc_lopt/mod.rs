@@ -30,12 +30,11 @@ use mlp::StepMlp;
 use params::{decay, Decays};
 use state::TensorState;
 
-const OPT: &str = "small_fc_lopt";
+const OP: &str = "small_fc_lopt";
 /// Features per element; the first `NORMALISED` are normalised per tensor, the rest are time
 /// features.
 const NUM_FEATURES: usize = 39;
-const NORMALISED: usize = 28;
-const HIDDEN: usize = 32;
+use crate::kernel_constants::small_fc_lopt::{FEATURES as NORMALISED, HIDDEN};
 const TIME_SCALES: [f64; 11] = [
     1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0, 30000.0, 100000.0,
 ];
@@ -107,7 +106,7 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             };
             if grad.dims() != state.var.dims() {
                 bail!(
-                    "{OPT}: gradient of variable `{}` has shape {:?}, the variable {:?}",
+                    "{OP}: gradient of variable `{}` has shape {:?}, the variable {:?}",
                     state.name,
                     grad.dims(),
                     state.var.dims()
@@ -115,7 +114,7 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             }
             if !grad.device().same_device(state.var.device()) {
                 bail!(
-                    "{OPT}: gradient of variable `{}` is on {:?}, the variable on {:?}",
+                    "{OP}: gradient of variable `{}` is on {:?}, the variable on {:?}",
                     state.name,
                     grad.device().location(),
                     state.var.device().location()
@@ -123,7 +122,7 @@ impl candle_nn::Optimizer for SmallFcLOpt {
             }
             if !grad.dtype().is_float() {
                 bail!(
-                    "{OPT}: gradient of variable `{}` is {:?}, not a float dtype",
+                    "{OP}: gradient of variable `{}` is {:?}, not a float dtype",
                     state.name,
                     grad.dtype()
                 );
@@ -195,21 +194,21 @@ impl SmallFcLOpt {
         let mut ids = std::collections::HashMap::with_capacity(vars.len());
         for (name, var) in &vars {
             if !seen.insert(name.as_str()) {
-                bail!("{OPT}: two variables are named `{name}`; names key the saved state");
+                bail!("{OP}: two variables are named `{name}`; names key the saved state");
             }
             if let Some(first) = ids.insert(var.id(), name.as_str()) {
-                bail!("{OPT}: `{first}` and `{name}` are the same variable; give it once");
+                bail!("{OP}: `{first}` and `{name}` are the same variable; give it once");
             }
             if !var.dtype().is_float() {
                 bail!(
-                    "{OPT}: variable `{name}` (shape {:?}) is {:?}, not a float dtype",
+                    "{OP}: variable `{name}` (shape {:?}) is {:?}, not a float dtype",
                     var.dims(),
                     var.dtype()
                 );
             }
             if !var.device().same_device(&device) {
                 bail!(
-                    "{OPT}: variables on mixed devices: `{}` is on {:?}, `{name}` on {:?}",
+                    "{OP}: variables on mixed devices: `{}` is on {:?}, `{name}` on {:?}",
                     vars[0].0,
                     device.location(),
                     var.device().location()
@@ -270,7 +269,7 @@ impl SmallFcLOpt {
     pub fn from_varmap(varmap: &candle_nn::VarMap, params: ParamsSmallFcLOpt) -> Result<Self> {
         let mut vars: Vec<(String, Var)> = {
             let data = varmap.data().lock().map_err(|_| {
-                candle_core::Error::Msg(format!("{OPT}: the VarMap's lock is poisoned"))
+                candle_core::Error::Msg(format!("{OP}: the VarMap's lock is poisoned"))
             })?;
             data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
         };

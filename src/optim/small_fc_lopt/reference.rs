@@ -2,7 +2,7 @@
 //! as a tensor, the MLP as matmuls. Tests hold the fused passes to it.
 
 use super::state::{unstack, Factors, TensorState};
-use super::{Decays, SmallFcLOpt, StepMlp, NORMALISED, OPT};
+use super::{Decays, SmallFcLOpt, StepMlp, NORMALISED, OP};
 use candle_core::{bail, Result, Tensor};
 
 /// One tensor's accumulators after this step's gradient, and for matrices the per-row and
@@ -146,7 +146,7 @@ impl SmallFcLOpt {
                     col_feat.push(f.clone());
                 }
             }
-            _ => bail!("{OPT}: internal error, matrix factors without their scales"),
+            _ => bail!("{OP}: internal error, matrix factors without their scales"),
         }
         let rsqrt_v = (&acc.rms + 1e-6)?.sqrt()?.recip()?;
         let mut features: Vec<Tensor> = Vec::with_capacity(NORMALISED);

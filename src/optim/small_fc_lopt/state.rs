@@ -3,7 +3,7 @@
 
 #[cfg(feature = "cuda")]
 use super::cuda;
-use super::{SmallFcLOpt, OPT};
+use super::{SmallFcLOpt, OP};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use std::collections::HashMap;
 use std::path::Path;
@@ -136,7 +136,7 @@ impl TensorState {
                         plane(&flat.full, full + 2 * n)?,
                     ],
                 },
-                _ => bail!("{OPT}: internal error, flat state layout does not match the tensor"),
+                _ => bail!("{OP}: internal error, flat state layout does not match the tensor"),
             };
             let e = slots.elem;
             states.push(Self {
@@ -162,7 +162,7 @@ impl TensorState {
                 vec![(row, r), (col, c)]
             }
             (Factors::Vector { full }, Factors::Vector { full: f }) => full.iter().zip(f).collect(),
-            _ => bail!("{OPT}: internal error, state kinds differ"),
+            _ => bail!("{OP}: internal error, state kinds differ"),
         };
         let momenta = self.momentum.iter().zip(&src.momentum);
         for (dst, src) in pairs
@@ -213,20 +213,20 @@ impl SmallFcLOpt {
                 t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?[0]
             }
             Some(t) => bail!(
-                "{OPT}: state file's `steps` has shape {:?}, expected one element",
+                "{OP}: state file's `steps` has shape {:?}, expected one element",
                 t.dims()
             ),
-            None => bail!("{OPT}: state file has no `steps`"),
+            None => bail!("{OP}: state file has no `steps`"),
         };
         if steps < 0 {
-            bail!("{OPT}: state file's `steps` is negative ({steps})");
+            bail!("{OP}: state file's `steps` is negative ({steps})");
         }
         let mut stored: Vec<&str> = map.keys().filter_map(|k| k.strip_suffix(".rms")).collect();
         stored.sort_unstable();
         let ours: std::collections::HashSet<&str> =
             self.states.iter().map(|s| s.name.as_str()).collect();
         if let Some(extra) = stored.iter().find(|name| !ours.contains(*name)) {
-            bail!("{OPT}: state file holds variable `{extra}`, which this optimizer does not have");
+            bail!("{OP}: state file holds variable `{extra}`, which this optimizer does not have");
         }
         let mut restored = Vec::with_capacity(self.states.len());
         for s in &self.states {
@@ -278,17 +278,17 @@ impl TensorState {
         let name = &self.name;
         if !map.contains_key(&format!("{name}.rms")) {
             bail!(
-                "{OPT}: state file has no state for variable `{name}` (shape {:?})",
+                "{OP}: state file has no state for variable `{name}` (shape {:?})",
                 self.var.dims()
             );
         }
         let take = |what: String, like: &Tensor| -> Result<Tensor> {
             let Some(t) = map.get(&what) else {
-                bail!("{OPT}: state file has no tensor `{what}` for variable `{name}`");
+                bail!("{OP}: state file has no tensor `{what}` for variable `{name}`");
             };
             if t.dims() != like.dims() || t.dtype() != DType::F32 {
                 bail!(
-                    "{OPT}: state tensor `{what}` is {:?} {:?}, but variable `{name}` (shape {:?}) needs {:?} f32",
+                    "{OP}: state tensor `{what}` is {:?} {:?}, but variable `{name}` (shape {:?}) needs {:?} f32",
                     t.dims(),
                     t.dtype(),
                     self.var.dims(),

@@ -1,0 +1,74 @@
+//! Constants shared by the Rust side and the CUDA kernels, defined once here.
+//!
+//! `build.rs` reads this file and writes `fastops_constants.cuh`, which the kernels include: each
+//! `pub mod NAME` becomes `namespace fastops_constants::NAME` and each `pub const X: usize = V;` a
+//! `constexpr int X = V;`. Only that form (one constant per line, a literal value, an integer
+//! type) is read; `build.rs` fails on anything else inside a module. Without the `cuda` feature
+//! the CPU paths use the same values.
+
+/// The tiled matmul core (masked_bmm, argmin_matmul and the masked_bmm backward).
+pub mod matmul {
+    /// Output tile edge of a block (and of a `MaskPlan` tile).
+    pub const TILE: usize = 128;
+    /// Threads per block of every matmul kernel.
+    pub const THREADS: usize = 256;
+    /// Resident blocks per multiprocessor the kernels are built for (`__launch_bounds__`).
+    pub const BLOCKS_PER_SM: usize = 2;
+    /// Dynamic shared memory of the async (cp.async) kernels: 4 stages x 2 operands x
+    /// `TILE` rows of 80 bytes.
+    pub const ASYNC_SHARED_BYTES: usize = 81920;
+    /// Operand load modes: k contiguous, the outer dimension contiguous, or neither.
+    pub const K_CONTIGUOUS: i32 = 0;
+    pub const OUTER_CONTIGUOUS: i32 = 1;
+    pub const STRIDED: i32 = 2;
+    /// Tile states of a mask plan: no kept element, some, all.
+    pub const TILE_EMPTY: u8 = 0;
+    pub const TILE_PARTIAL: u8 = 1;
+    pub const TILE_FULL: u8 = 2;
+}
+
+/// bias_add.
+pub mod bias_add {
+    /// Threads per block.
+    pub const THREADS: usize = 256;
+    /// Independent 16-byte loads a thread issues before their first use.
+    pub const UNROLL: usize = 4;
+}
+
+/// softmax / log_softmax over a set of dims.
+pub mod softmax {
+    /// Threads per block.
+    pub const THREADS: usize = 256;
+    /// The most kept or reduced runs a reduce plan may have.
+    pub const MAX_BLOCKS: usize = 6;
+    /// Units one thread of the `_cached` kernels holds in registers: single elements, or
+    /// 16-byte vectors / lanes of `LANE_WIDTH` groups.
+    pub const CACHED_ELEMENTS: usize = 16;
+    pub const CACHED_VECTORS: usize = 4;
+    /// Groups one thread of the `_lanes` kernels reduces side by side.
+    pub const LANE_WIDTH: usize = 4;
+}
+
+/// sparse_linear.
+pub mod sparse_linear {
+    /// Threads per block (a warp per task).
+    pub const THREADS: usize = 256;
+}
+
+/// small_fc_lopt, the learned optimizer.
+pub mod small_fc_lopt {
+    /// Threads per block of every step kernel.
+    pub const THREADS: usize = 256;
+    /// Tensors per launch (the size of the kernels' `StepTensors` argument).
+    pub const GROUP: usize = 128;
+    /// Elements per chunk of the multi-tensor walk.
+    pub const CHUNK: usize = 8192;
+    /// Chunks per work item of the square-sum kernel.
+    pub const SQUARE_SUM_RUN: usize = 8;
+    /// Columns of a square-sum tile of a 2-D gradient (one float4 per thread).
+    pub const TILE_COLS: usize = 1024;
+    /// Features normalised per tensor (the MLP's inputs besides the 11 time features).
+    pub const FEATURES: usize = 28;
+    /// Width of the MLP's two hidden layers.
+    pub const HIDDEN: usize = 32;
+}
