@@ -8,7 +8,7 @@ use std::mem::MaybeUninit;
 /// ~3 ms of adds). On Linux the buffer is therefore advised for transparent huge pages, where
 /// the system allows them on request (`madvise` mode, the common default), so it faults in 2 MiB
 /// at a time.
-pub(crate) fn output_vec<T>(len: usize) -> Vec<T> {
+fn output_vec<T>(len: usize) -> Vec<T> {
     let vec = Vec::with_capacity(len);
     #[cfg(target_os = "linux")]
     advise_huge_pages(vec.as_ptr() as usize, len * std::mem::size_of::<T>());
@@ -31,9 +31,20 @@ pub(crate) fn locked_slice<'a, T: candle_core::WithDType>(
     Ok(&storage.as_slice::<T>()?[start..end])
 }
 
-/// The spare capacity of `vec`, `len` elements long, to be written in parallel.
-pub(crate) fn spare<T>(vec: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
-    &mut vec.spare_capacity_mut()[..len]
+/// A vector of `len` elements written by `fill` (in parallel, as it likes), from an
+/// [`output_vec`].
+///
+/// # Safety
+/// `fill` must initialise every element of the slice it is given.
+pub(crate) unsafe fn written_output<T>(
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<T>]),
+) -> Vec<T> {
+    let mut out = output_vec(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: guaranteed by the caller.
+    unsafe { out.set_len(len) };
+    out
 }
 
 #[cfg(target_os = "linux")]

@@ -6,6 +6,9 @@
 //! type) is read; `build.rs` fails on anything else inside a module. Without the `cuda` feature
 //! the CPU paths use the same values.
 
+// Most of these are read by the CUDA launch code only.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 /// The tiled matmul core (masked_bmm, argmin_matmul and the masked_bmm backward).
 pub mod matmul {
     /// Output tile edge of a block (and of a `MaskPlan` tile).

@@ -5,7 +5,6 @@
 //! bandwidth; the CUDA kernel (`src/cuda/bias_add.cu`) moves 16 bytes per access and keeps the
 //! bias in shared memory, the CPU path adds contiguous runs in parallel with rayon.
 
-use crate::cpu::{output_vec, spare};
 use crate::dispatch::{check_float_operands, with_float_cpu};
 use candle_core::shape::Dim;
 use candle_core::{
@@ -245,33 +244,31 @@ fn for_each_run<'a, T: Copy>(
 }
 
 fn cpu_bias_add<T: WithDType>(src: &[T], bias: &[T], map: &ChannelMap) -> Vec<T> {
-    let n = src.len();
-    let mut dst = output_vec(n);
-    // Written in parallel straight into the spare capacity: no zero-fill pass.
-    spare(&mut dst, n)
-        .par_chunks_mut(CPU_CHUNK)
-        .zip(src.par_chunks(CPU_CHUNK))
-        .enumerate()
-        .for_each(|(chunk, (dst, src))| {
-            for_each_run(chunk * CPU_CHUNK, dst.len(), map, bias, |range, run| {
-                let (dst, src) = (&mut dst[range.clone()], &src[range]);
-                match run {
-                    BiasRun::Same(b) => {
-                        for (d, &s) in dst.iter_mut().zip(src) {
-                            d.write(s + b);
+    let write_all = |dst: &mut [std::mem::MaybeUninit<_>]| {
+        dst.par_chunks_mut(CPU_CHUNK)
+            .zip(src.par_chunks(CPU_CHUNK))
+            .enumerate()
+            .for_each(|(chunk, (dst, src))| {
+                for_each_run(chunk * CPU_CHUNK, dst.len(), map, bias, |range, run| {
+                    let (dst, src) = (&mut dst[range.clone()], &src[range]);
+                    match run {
+                        BiasRun::Same(b) => {
+                            for (d, &s) in dst.iter_mut().zip(src) {
+                                d.write(s + b);
+                            }
+                        }
+                        BiasRun::Consecutive(bias) => {
+                            for ((d, &s), &b) in dst.iter_mut().zip(src).zip(bias) {
+                                d.write(s + b);
+                            }
                         }
                     }
-                    BiasRun::Consecutive(bias) => {
-                        for ((d, &s), &b) in dst.iter_mut().zip(src).zip(bias) {
-                            d.write(s + b);
-                        }
-                    }
-                }
+                })
             })
-        });
-    // SAFETY: the chunks above cover `0..n` and write every element.
-    unsafe { dst.set_len(n) };
-    dst
+    };
+    // Written in parallel straight into the spare capacity: no zero-fill pass.
+    // SAFETY: the chunks cover `0..src.len()` and write every element.
+    unsafe { crate::cpu::written_output(src.len(), write_all) }
 }
 
 fn cpu_bias_add_in_place<T: WithDType>(xs: &mut [T], bias: &[T], map: &ChannelMap) {

@@ -212,22 +212,18 @@ pub(crate) unsafe fn fill_bytes_at(
 
 /// Number of streaming multiprocessors, for sizing persistent / grid-stride launches.
 pub(crate) fn sm_count(dev: &CudaDevice) -> Result<u32> {
-    let count = dev
-        .cuda_stream()
-        .context()
-        .attribute(driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
-    Ok(count.max(1) as u32)
+    use driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+    Ok(device_attribute(dev, SMS)?.max(1) as u32)
 }
 
 /// Size of the device's L2 cache in bytes, for sizing the working set of gather kernels.
 pub(crate) fn l2_bytes(dev: &CudaDevice) -> Result<usize> {
-    let bytes = dev
-        .cuda_stream()
-        .context()
-        .attribute(driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-        .w()?;
-    Ok(bytes.max(0) as usize)
+    use driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE as L2;
+    Ok(device_attribute(dev, L2)?.max(0) as usize)
+}
+
+fn device_attribute(dev: &CudaDevice, attribute: driver::sys::CUdevice_attribute) -> Result<i32> {
+    dev.cuda_stream().context().attribute(attribute).w()
 }
 
 /// A 1-D launch of `threads`-wide blocks covering `work` items with a grid-stride loop: at most

@@ -110,6 +110,38 @@ __device__ __forceinline__ FeatureChunk load_features(const SparseBatch& s, cons
     return chunk;
 }
 
+// A warp's walk of the forward and backward kernels: stripes of STRIPE output columns in
+// [stripe_begin, stripe_end), and in each the tasks (batch position x perspective) t = warp,
+// warp + warps, ... Lane `lane` owns LOADS groups of E adjacent columns of a stripe.
+template <int LOADS, int E> struct StripeWalk {
+    static constexpr uint64_t STRIPE = 32 * LOADS * E;
+    int lane;
+    uint64_t warp, warps, n_out, row_stride, tasks, stripes;
+
+    __device__ __forceinline__ explicit StripeWalk(const SparseBatch& s)
+        : lane(threadIdx.x & 31),
+          warp((static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5),
+          warps((static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5),
+          n_out(s.out_dim),
+          row_stride(s.out_dim * s.perspectives),
+          tasks(s.batch * s.perspectives),
+          stripes(min((s.out_dim + STRIPE - 1) / STRIPE, s.stripe_end)) {}
+
+    // The first column of each of the lane's groups in `stripe`, and whether it is inside the output.
+    __device__ __forceinline__ void columns(uint64_t stripe, uint64_t (&col)[LOADS], bool (&in_range)[LOADS]) const {
+#pragma unroll
+        for (int l = 0; l < LOADS; ++l) {
+            col[l] = stripe * STRIPE + static_cast<uint64_t>(l * 32 + lane) * E;
+            in_range[l] = col[l] < n_out;
+        }
+    }
+
+    // The offset of a task's half row of the output (or output gradient).
+    __device__ __forceinline__ uint64_t row(const Task& task) const {
+        return task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
+    }
+};
+
 // E adjacent columns moved as one unit: a 16-byte vector, or one element for the scalar form
 // (output sizes that are not a multiple of the vector width, or misaligned buffers).
 template <typename T, bool VEC> struct Group;
@@ -151,26 +183,15 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
                                                const T* __restrict__ bias, T* __restrict__ out) {
     using G = Group<T, VEC>;
     constexpr int E = G::E;
-    constexpr uint64_t STRIPE = 32 * LOADS * E;
-    const int lane = threadIdx.x & 31;
-    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
-    const uint64_t n_out = s.out_dim;
-    const uint64_t row_stride = n_out * s.perspectives;
-    const uint64_t tasks = s.batch * s.perspectives;
-    const uint64_t stripes = min((n_out + STRIPE - 1) / STRIPE, s.stripe_end);
-
-    for (uint64_t stripe = s.stripe_begin; stripe < stripes; ++stripe) {
+    const StripeWalk<LOADS, E> walk(s);
+    for (uint64_t stripe = s.stripe_begin; stripe < walk.stripes; ++stripe) {
         uint64_t col[LOADS];
         bool in_range[LOADS];
+        walk.columns(stripe, col, in_range);
         float bias_part[LOADS][E];
 #pragma unroll
-        for (int l = 0; l < LOADS; ++l) {
-            col[l] = stripe * STRIPE + static_cast<uint64_t>(l * 32 + lane) * E;
-            in_range[l] = col[l] < n_out;
-            G::unpack(in_range[l] ? G::load(bias + col[l]) : G::zero(), bias_part[l]);
-        }
-        for (uint64_t t = warp; t < tasks; t += warps) {
+        for (int l = 0; l < LOADS; ++l) G::unpack(in_range[l] ? G::load(bias + col[l]) : G::zero(), bias_part[l]);
+        for (uint64_t t = walk.warp; t < walk.tasks; t += walk.warps) {
             const Task task(s, t);
             float acc[LOADS][E];
 #pragma unroll
@@ -179,7 +200,7 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
                 for (int e = 0; e < E; ++e) acc[l][e] = bias_part[l][e];
 
             for (uint32_t base = 0; base < s.max_active; base += 32) {
-                const FeatureChunk chunk = load_features(s, task, base, lane);
+                const FeatureChunk chunk = load_features(s, task, base, walk.lane);
                 for (int k = 0; k < chunk.count; k += UNROLL) {
                     typename G::Raw raw[UNROLL][LOADS];
                     float value[UNROLL];
@@ -207,7 +228,7 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
                 if (chunk.last) break;
             }
 
-            T* dst = out + task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
+            T* dst = out + walk.row(task);
 #pragma unroll
             for (int l = 0; l < LOADS; ++l)
                 if (in_range[l]) G::store(dst + col[l], acc[l]);
@@ -257,32 +278,23 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
                                                 float* __restrict__ grad) {
     using G = GradGroup<T, VEC>;
     constexpr int E = G::E;
-    constexpr int STRIPE = 32 * LOADS * E;
+    using Walk = StripeWalk<LOADS, E>;
+    constexpr int STRIPE = static_cast<int>(Walk::STRIPE);
     __shared__ float bias_partial[WARPS][STRIPE];
-    const int lane = threadIdx.x & 31;
+    const Walk walk(s);
+    const int lane = walk.lane;
     const int warp_in_block = threadIdx.x >> 5;
-    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
-    const uint64_t n_out = s.out_dim;
-    const uint64_t row_stride = n_out * s.perspectives;
-    const uint64_t tasks = s.batch * s.perspectives;
-    const uint64_t stripes = min((n_out + STRIPE - 1) / STRIPE, s.stripe_end);
+    const uint64_t n_out = walk.n_out;
     float* bias_grad = grad + s.num_inputs * n_out;
 
-    for (uint64_t stripe = s.stripe_begin; stripe < stripes; ++stripe) {
+    for (uint64_t stripe = s.stripe_begin; stripe < walk.stripes; ++stripe) {
         uint64_t col[LOADS];
         bool in_range[LOADS];
-        float bias_sum[LOADS][E];
-#pragma unroll
-        for (int l = 0; l < LOADS; ++l) {
-            col[l] = stripe * STRIPE + static_cast<uint64_t>(l * 32 + lane) * E;
-            in_range[l] = col[l] < n_out;
-#pragma unroll
-            for (int e = 0; e < E; ++e) bias_sum[l][e] = 0.0f;
-        }
-        for (uint64_t t = warp; t < tasks; t += warps) {
+        walk.columns(stripe, col, in_range);
+        float bias_sum[LOADS][E] = {};
+        for (uint64_t t = walk.warp; t < walk.tasks; t += walk.warps) {
             const Task task(s, t);
-            const T* src = grad_out + task.position * row_stride + static_cast<uint64_t>(task.half) * n_out;
+            const T* src = grad_out + walk.row(task);
             float g[LOADS][E];
             bool nonzero[LOADS];
 #pragma unroll
@@ -301,7 +313,7 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
                 }
             }
             for (uint32_t base = 0; base < s.max_active; base += 32) {
-                const FeatureChunk chunk = load_features(s, task, base, lane);
+                const FeatureChunk chunk = load_features(s, task, base, walk.lane);
                 for (int k = 0; k < chunk.count; ++k) {
                     const int32_t row = __shfl_sync(FULL_MASK, chunk.index, k);
                     const float value = __shfl_sync(FULL_MASK, chunk.value, k);

@@ -48,11 +48,12 @@ fn normalise<C: Float>(x: C, m: C, inv_s: C, log_s: C, log: bool) -> C {
 
 /// Softmax of contiguous `xs` over the plan's groups, accumulating in `T::Acc`.
 pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Vec<T> {
-    let n = xs.len();
-    let mut ys = output_vec::<T>(n);
     let (groups, size) = (plan.num_groups(), plan.group_size());
-    if groups > 0 && size > 0 {
-        let out = OutPtr(ys.as_mut_ptr());
+    let write_all = |ys: &mut [std::mem::MaybeUninit<T>]| {
+        if groups == 0 || size == 0 {
+            return;
+        }
+        let out = OutPtr(ys.as_mut_ptr().cast::<T>());
         let lanes = plan.lanes();
         if lanes == 1 {
             (0..groups)
@@ -70,10 +71,9 @@ pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Ve
                 column_group(xs, out.get(), plan, g_outer * lanes + first, width, log)
             });
         }
-    }
-    // SAFETY: the groups above cover every element of the tensor and write each once.
-    unsafe { ys.set_len(n) };
-    ys
+    };
+    // SAFETY: the groups cover every element of the tensor and write each once.
+    unsafe { crate::cpu::written_output(xs.len(), write_all) }
 }
 
 /// One group whose innermost reduced block is contiguous: gathered run by run into `buf`

@@ -153,7 +153,8 @@ pub(super) fn launch_softmax<T: WithDType>(
         // column, which measured faster there (H200, dims [0] of [32, 1024, 4096]: see
         // BENCHMARKS.md).
         let walk = if lanes == 1 { "rows" } else { "cols" };
-        let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "cached", walk, variant])?;
+        let kernel =
+            Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "cached", walk, variant])?;
         let columns = group_units.div_ceil(lx);
         let blocks = if lanes == 1 {
             let resident = kernel.resident_blocks_per_sm(THREADS as u32, lx * ly * 8)? as usize;

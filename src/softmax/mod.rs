@@ -1,7 +1,6 @@
 //! Softmax and log-softmax over any set of dims of a tensor of any rank, in one or two passes
 //! over memory, driven by a [`ReducePlan`].
 
-use crate::cpu::output_vec;
 use crate::dispatch::{check_float_operands, with_float_cpu};
 pub(crate) mod plan;
 

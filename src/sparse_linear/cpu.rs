@@ -88,10 +88,11 @@ pub(super) fn forward<T: CpuFloat>(
 ) -> Vec<T> {
     let (n_out, row_len) = (f.out, f.perspectives() * f.out);
     let len = f.batch * row_len;
-    let mut out = output_vec(len);
-    if len > 0 {
-        spare(&mut out, len)
-            .par_chunks_mut(row_len)
+    if len == 0 {
+        return Vec::new();
+    }
+    let write_all = |out: &mut [std::mem::MaybeUninit<_>]| {
+        out.par_chunks_mut(row_len)
             .with_min_len(16)
             .enumerate()
             .for_each_init(
@@ -114,11 +115,10 @@ pub(super) fn forward<T: CpuFloat>(
                         }
                     }
                 },
-            );
-    }
-    // SAFETY: every row of `len` elements was written above (both halves of each row).
-    unsafe { out.set_len(len) };
-    out
+            )
+    };
+    // SAFETY: every row of `len` elements is written (both halves of each row).
+    unsafe { crate::cpu::written_output(len, write_all) }
 }
 
 /// A feature value in the accumulator type (f32 or f64: never fails).

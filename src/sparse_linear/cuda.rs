@@ -46,8 +46,7 @@ impl StripePlan {
     /// backward), `group` its columns per 16-byte (vector) or 4-byte (scalar) access and
     /// `loads` the 16-byte accesses per lane and row (1 or 2; the H200 sweeps in
     /// BENCHMARKS.md favour 1 for f32, 2 for 2-byte weights). A launch covers as many stripes
-    /// as fit in the L2 with all their rows (an L2 prefetch of the next stripe, tried,
-    /// gained nothing measurable).
+    /// as fit in the L2 with all their rows.
     fn new(
         dev: &CudaDevice,
         f: &Features,
@@ -210,6 +209,49 @@ fn shape(
     })
 }
 
+/// `launch_striped!(dev, f, plan, stem, weight_stride, |args| tail)`: launches the `stem`
+/// kernel of `plan` for `T` once per L2-sized range of stripes, `tail` pushing the arguments
+/// after the shape and the features; with `f.check_indices` (forward only) a bad index makes
+/// it return the error, after one synchronisation. A macro because the tail borrows the
+/// caller's buffers for the launch's lifetime. The caller states the safety of the tail.
+macro_rules! launch_striped {
+    ($t:ty, $dev:expr, $f:expr, $plan:expr, $stem:expr, $weight_stride:expr, |$args:ident| $tail:expr) => {{
+        let (dev, f, plan): (&CudaDevice, &Features, &StripePlan) = ($dev, $f, $plan);
+        let tasks = (f.batch * f.sides.len()) as u64;
+        if tasks == 0 || f.out == 0 {
+            return Ok(());
+        }
+        let kernel = Kernel::load_typed::<$t>(dev, Module::SparseLinear, &[$stem, plan.variant])?;
+        let cfg = plan.config(dev, tasks)?;
+        let views = FeatureViews::new(f);
+        let features = FeatureArgs::new(&views)?;
+        // The call's own bad-index word, zeroed on the stream before the kernels.
+        let flag = if f.check_indices && $stem == FWD {
+            Some(dev.alloc_zeros::<u32>(1)?)
+        } else {
+            None
+        };
+        let stream = dev.cuda_stream();
+        let flag_ptr = flag.as_ref().map(|flag| flag.device_ptr(&stream));
+        let flag_addr = flag_ptr.as_ref().map_or(0, |(addr, _)| *addr);
+        for (begin, end) in plan.launches() {
+            let shape = shape(f, flag_addr, $weight_stride, begin, end)?;
+            kernel.launch(cfg, |$args| {
+                features.push($args, &shape);
+                $tail;
+            })?;
+        }
+        drop(flag_ptr);
+        if let Some(flag) = flag {
+            // One synchronisation: the copy waits for the kernels.
+            if dev.clone_dtoh(&flag)?[0] != 0 {
+                return Err(bad_index_error(f));
+            }
+        }
+        Ok(())
+    }};
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<T: WithDType + DeviceRepr>(
     dev: &CudaDevice,
@@ -221,54 +263,25 @@ pub(super) fn forward<T: WithDType + DeviceRepr>(
     bias_start: usize,
     out: &CudaSlice<T>,
 ) -> Result<()> {
-    let tasks = (f.batch * f.sides.len()) as u64;
-    if tasks == 0 || f.out == 0 {
-        return Ok(());
-    }
     let elem = std::mem::size_of::<T>();
     let width = 16 / elem;
     let vec = [f.out, weight_stride, weight_start, bias_start]
         .iter()
         .all(|&n| n % width == 0);
-    // 72-96 registers per thread leave room for 2-3 blocks of 256 per SM; the sweeps
-    // measured 3 best for f32 (one load per lane), 2 for 2-byte weights (two loads).
+    // 72-96 registers per thread leave room for 2-3 blocks of 256 per SM (H200 sweeps in
+    // BENCHMARKS.md: 3 for f32 with one load per lane, 2 for 2-byte weights with two).
     let (loads, blocks) = if elem == 4 { (1, 3) } else { (2, 2) };
     let plan = StripePlan::new(dev, f, (vec, width, elem), loads, blocks)?;
-    let kernel = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[FWD, plan.variant])?;
-    let cfg = plan.config(dev, tasks)?;
-    let views = FeatureViews::new(f);
-    let features = FeatureArgs::new(&views)?;
-    // The call's own bad-index word, zeroed on the stream before the kernels.
-    let flag = if f.check_indices {
-        Some(dev.alloc_zeros::<u32>(1)?)
-    } else {
-        None
-    };
-    let stream = dev.cuda_stream();
-    let flag_ptr = flag.as_ref().map(|flag| flag.device_ptr(&stream));
-    let flag_addr = flag_ptr.as_ref().map_or(0, |(addr, _)| *addr);
-    for (begin, end) in plan.launches() {
-        let shape = shape(f, flag_addr, weight_stride, begin, end)?;
-        // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
-        // side_first, weight, bias, out)`. Index rows hold max_active entries for batch
-        // rows, weight rows are read only at indices checked against num_inputs, with
-        // weight_stride and out columns inside the views, and out holds batch x perspectives
-        // x out elements.
-        unsafe {
-            kernel.launch(cfg, |args| {
-                features.push(args, &shape);
-                args.arg(weight).arg(bias).arg(out);
-            })?;
-        }
+    // SAFETY: the arguments match `sparse_linear_fwd_*(shape, idx0, idx1, val0, val1,
+    // side_first, weight, bias, out)`. Index rows hold max_active entries for batch rows, weight
+    // rows are read only at indices checked against num_inputs, with weight_stride and out
+    // columns inside the views, and out holds batch x perspectives x out elements.
+    unsafe {
+        launch_striped!(T, dev, f, &plan, FWD, weight_stride, |args| args
+            .arg(weight)
+            .arg(bias)
+            .arg(out))
     }
-    drop(flag_ptr);
-    if let Some(flag) = flag {
-        // One synchronisation: the copy waits for the kernels.
-        if dev.clone_dtoh(&flag)?[0] != 0 {
-            return Err(bad_index_error(f));
-        }
-    }
-    Ok(())
 }
 
 /// The error for a call whose kernel raised the bad-index flag, naming the first bad index
@@ -302,29 +315,16 @@ pub(super) fn backward<T: WithDType + DeviceRepr>(
     grad_start: usize,
     grad: &CudaSlice<f32>,
 ) -> Result<()> {
-    let tasks = (f.batch * f.sides.len()) as u64;
-    if tasks == 0 || f.out == 0 {
-        return Ok(());
-    }
     let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
     let plan = StripePlan::new(dev, f, (vec, 4, 4), 1, 4)?;
-    let kernel = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, plan.variant])?;
-    let cfg = plan.config(dev, tasks)?;
-    let views = FeatureViews::new(f);
-    let features = FeatureArgs::new(&views)?;
-    for (begin, end) in plan.launches() {
-        let shape = shape(f, 0, f.out, begin, end)?;
-        // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
-        // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements
-        // and grad (num_inputs + 1) x out, written only at rows checked against num_inputs.
-        unsafe {
-            kernel.launch(cfg, |args| {
-                features.push(args, &shape);
-                args.arg(grad_out).arg(grad);
-            })?;
-        }
+    // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
+    // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements and grad
+    // (num_inputs + 1) x out, written only at rows checked against num_inputs.
+    unsafe {
+        launch_striped!(T, dev, f, &plan, BWD, f.out, |args| args
+            .arg(grad_out)
+            .arg(grad))
     }
-    Ok(())
 }
 
 /// Entries per piece of a feature's sorted run in the deterministic backward: short enough

@@ -9,7 +9,7 @@
 //! and sums the bias gradient per block. The CPU path runs positions in parallel forward, and
 //! weight-row ranges in parallel backward (each thread owns its rows: no races, deterministic).
 
-use crate::cpu::{output_vec, spare, CpuFloat};
+use crate::cpu::CpuFloat;
 use crate::dispatch::with_float_cpu;
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType,

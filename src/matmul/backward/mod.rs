@@ -135,9 +135,8 @@ impl SpanMatmul {
         let spans_batch_stride = self.spans_batch_stride(batch)?;
         let col_tiles = n.div_ceil(TILE);
         let len = batch * m * n;
-        let mut out = crate::cpu::output_vec::<A>(len);
         if len == 0 {
-            return Ok(out);
+            return Ok(Vec::new());
         }
         // The reduction of tile `t` of batch entry `bi`, clamped to `r`.
         let span = |bi: usize, t: usize| {
@@ -145,54 +144,57 @@ impl SpanMatmul {
             let k0 = (pair[0] as usize * TILE).min(r);
             (k0, (pair[1] as usize * TILE).clamp(k0, r))
         };
+        let write_all = |spare: &mut [std::mem::MaybeUninit<_>]| {
+            spare
+                .par_chunks_mut(m * n)
+                .enumerate()
+                .for_each(|(bi, out_b)| {
+                    out_b
+                        .par_chunks_mut(TILE * n)
+                        .enumerate()
+                        .for_each(|(ti, out_rows)| {
+                            let rows = ti * TILE..((ti + 1) * TILE).min(m);
+                            let dst = out_rows.as_mut_ptr().cast::<A>();
+                            let product =
+                                |cols: std::ops::Range<usize>, (k0, k1): (usize, usize)| {
+                                    // The operands narrowed to the span along the reduction.
+                                    let a_span = MatView {
+                                        start: av.start + k0 * av.col_stride,
+                                        cols: k1 - k0,
+                                        ..*av
+                                    };
+                                    let b_span = MatView {
+                                        start: bv.start + k0 * bv.row_stride,
+                                        rows: k1 - k0,
+                                        ..*bv
+                                    };
+                                    // SAFETY: the narrowed views lie inside the checked ones; the block
+                                    // written is rows `rows` x columns `cols` of this task's own chunk.
+                                    unsafe {
+                                        cpu_block_product(
+                                            (a, &a_span),
+                                            (b, &b_span),
+                                            bi,
+                                            rows.clone(),
+                                            cols.clone(),
+                                            dst.add(cols.start),
+                                            n,
+                                        )
+                                    }
+                                };
+                            if self.by_cols {
+                                for tj in 0..col_tiles {
+                                    product(tj * TILE..((tj + 1) * TILE).min(n), span(bi, tj));
+                                }
+                            } else {
+                                product(0..n, span(bi, ti));
+                            }
+                        })
+                })
+        };
         // One task per (batch entry, row tile): TILE consecutive rows of the output.
-        crate::cpu::spare(&mut out, len)
-            .par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|(bi, out_b)| {
-                out_b
-                    .par_chunks_mut(TILE * n)
-                    .enumerate()
-                    .for_each(|(ti, out_rows)| {
-                        let rows = ti * TILE..((ti + 1) * TILE).min(m);
-                        let dst = out_rows.as_mut_ptr().cast::<A>();
-                        let product = |cols: std::ops::Range<usize>, (k0, k1): (usize, usize)| {
-                            // The operands narrowed to the span along the reduction.
-                            let a_span = MatView {
-                                start: av.start + k0 * av.col_stride,
-                                cols: k1 - k0,
-                                ..*av
-                            };
-                            let b_span = MatView {
-                                start: bv.start + k0 * bv.row_stride,
-                                rows: k1 - k0,
-                                ..*bv
-                            };
-                            // SAFETY: the narrowed views lie inside the checked ones; the block
-                            // written is rows `rows` x columns `cols` of this task's own chunk.
-                            unsafe {
-                                cpu_block_product(
-                                    (a, &a_span),
-                                    (b, &b_span),
-                                    bi,
-                                    rows.clone(),
-                                    cols.clone(),
-                                    dst.add(cols.start),
-                                    n,
-                                )
-                            }
-                        };
-                        if self.by_cols {
-                            for tj in 0..col_tiles {
-                                product(tj * TILE..((tj + 1) * TILE).min(n), span(bi, tj));
-                            }
-                        } else {
-                            product(0..n, span(bi, ti));
-                        }
-                    })
-            });
         // SAFETY: the products cover every row and column (an empty span writes zeros).
-        unsafe { out.set_len(len) };
+        let out = unsafe { crate::cpu::written_output::<A>(len, write_all) };
         Ok(out)
     }
 }

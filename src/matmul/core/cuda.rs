@@ -42,7 +42,10 @@ pub(crate) fn core_launch<T: WithDType>(
 /// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by `mode`:
 /// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
 /// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
-fn core_variant<T: WithDType>(problem: &ProblemArgs, mode: super::F32Matmul) -> (&'static str, bool) {
+fn core_variant<T: WithDType>(
+    problem: &ProblemArgs,
+    mode: super::F32Matmul,
+) -> (&'static str, bool) {
     use super::F32Matmul;
     let copyable = problem.copyable(T::DTYPE.size_in_bytes())
         && crate::cuda::tuning("FASTOPS_MATMUL_ASYNC").unwrap_or(1) != 0;

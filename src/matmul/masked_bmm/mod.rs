@@ -321,9 +321,10 @@ impl MaskedBmm {
             row_tiles * col_tiles
         };
         let len = batch * m * n;
-        let mut out = crate::cpu::output_vec::<A>(len);
-        if len > 0 {
-            let spare = crate::cpu::spare(&mut out, len);
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let write_all = |spare: &mut [std::mem::MaybeUninit<_>]| {
             // One task per (batch entry, row tile): TILE consecutive rows of the output.
             spare
                 .par_chunks_mut(m * n)
@@ -389,11 +390,11 @@ impl MaskedBmm {
                                 tj = run_end;
                             }
                         })
-                });
-            // SAFETY: every element lies in an empty tile (filled) or in a run (written by the
-            // block product).
-            unsafe { out.set_len(len) };
-        }
+                })
+        };
+        // SAFETY: every element lies in an empty tile (filled) or in a run (written by the block
+        // product).
+        let out = unsafe { crate::cpu::written_output::<A>(len, write_all) };
         Ok(out)
     }
 }

@@ -487,23 +487,23 @@ impl CustomOp1 for Update {
             let net = CpuMlp::new(mlp);
             let h = self.hyper;
             let n = t.grad.len();
-            let mut out = crate::cpu::output_vec::<f32>(n);
             #[cfg(target_arch = "x86_64")]
             let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-            crate::cpu::spare(&mut out, n)
-                .par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(chunk, dst)| {
-                    #[cfg(target_arch = "x86_64")]
-                    if wide {
-                        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                        unsafe { update_chunk_avx2(t, &net, scale, h, chunk * CHUNK, dst) };
-                        return;
-                    }
-                    update_chunk(t, &net, scale, h, chunk * CHUNK, dst)
-                });
+            let write_all = |out: &mut [std::mem::MaybeUninit<_>]| {
+                out.par_chunks_mut(CHUNK)
+                    .enumerate()
+                    .for_each(|(chunk, dst)| {
+                        #[cfg(target_arch = "x86_64")]
+                        if wide {
+                            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                            unsafe { update_chunk_avx2(t, &net, scale, h, chunk * CHUNK, dst) };
+                            return;
+                        }
+                        update_chunk(t, &net, scale, h, chunk * CHUNK, dst)
+                    })
+            };
             // SAFETY: the chunks cover 0..n and write every element.
-            unsafe { out.set_len(n) };
+            let out = unsafe { crate::cpu::written_output::<f32>(n, write_all) };
             Ok((CpuStorage::F32(out), Shape::from(n)))
         })
     }

@@ -444,7 +444,8 @@ impl DeviceState {
         // caller; only this step's kernels use it, on the device's stream).
         unsafe { crate::cuda::fill_bytes_at(dev, scratch, scratch_bytes, 0) }?;
         let square_sums = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums"])?;
-        let square_sums_tiled = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_tiled"])?;
+        let square_sums_tiled =
+            Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_tiled"])?;
         let factors = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_factors"])?;
         let stats = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_stats"])?;
         let update_name: &[&str] = if tensor_cores {

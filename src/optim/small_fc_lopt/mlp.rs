@@ -53,10 +53,7 @@ impl MlpWeights {
                 );
             }
             if t.dtype() != DType::F32 {
-                bail!(
-                    "{OP}: MLP tensor `{name}` is {:?}, expected f32",
-                    t.dtype()
-                );
+                bail!("{OP}: MLP tensor `{name}` is {:?}, expected f32", t.dtype());
             }
             found.push(t.clone());
         }
