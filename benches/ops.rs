@@ -634,15 +634,20 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
         // Bytes per element per step: read p, g, 4 state; write p, 4 state (twice over the
         // elementwise state: the accumulators are updated, then read again by both passes).
         let bytes = params as f64 * 4.0 * 18.0;
-        // CUDA also times the exact f32 MLP (`tensor_cores = false`).
-        let modes: &[(&str, bool)] = if dev.is_cuda() {
-            &[("fused", true), ("fused, f32 FMA MLP", false)]
+        // CUDA also times the exact f32 MLP (`tensor_cores = false`) and the deterministic step.
+        let modes: &[(&str, bool, bool)] = if dev.is_cuda() {
+            &[
+                ("fused", true, false),
+                ("fused, f32 FMA MLP", false, false),
+                ("fused, deterministic", true, true),
+            ]
         } else {
-            &[("fused", true)]
+            &[("fused", true, false)]
         };
-        for &(mode, tensor_cores) in modes {
+        for &(mode, tensor_cores, deterministic) in modes {
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
-            params.tensor_cores = tensor_cores;
+            params.backend.tensor_cores = tensor_cores;
+            params.backend.deterministic = Some(deterministic);
             let mut lopt = SmallFcLOpt::new(vars.clone(), params)?;
             let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
             b.compare(
@@ -657,7 +662,7 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
         }
         if !dev.is_cuda() {
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
-            params.fused = false;
+            params.backend.fused = false;
             let mut composed = SmallFcLOpt::new(vars.clone(), params)?;
             let mut lopt = SmallFcLOpt::new(vars.clone(), ParamsSmallFcLOpt::new(mlp.clone()))?;
             b.compare(

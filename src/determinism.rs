@@ -17,14 +17,14 @@ static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
 /// [`crate::sparse_linear`] / [`crate::sparse_linear_pair`] (no atomics: each output element
 /// is summed by one thread in a fixed order).
 ///
-/// What this switch changes: the CUDA backward of [`crate::sparse_linear`] /
-/// [`crate::sparse_linear_pair`], which otherwise adds into the weight gradient with atomics.
-/// Deterministic, it reads the feature indices on the host (one synchronisation per backward),
-/// sorts them by feature keeping batch order and sums each gradient row in that order.
-///
-/// Not covered: the CUDA step of [`crate::optim::SmallFcLOpt`] sums its per-tensor feature
-/// norms with float atomics, so its results can differ in the last bits from run to run (the
-/// CPU step is deterministic).
+/// What this switch changes (each also has a per-call form):
+/// - the CUDA backward of [`crate::sparse_linear`] / [`crate::sparse_linear_pair`], which
+///   otherwise adds into the weight gradient with atomics. Deterministic, it reads the feature
+///   indices on the host (one synchronisation per backward), sorts them by feature keeping batch
+///   order and sums each gradient row in that order ([`crate::SparseLinearOptions::deterministic`]);
+/// - the CUDA step of [`crate::optim::SmallFcLOpt`], which otherwise sums its per-tensor
+///   statistics (Adafactor row / column sums, feature norms) with float atomics. Deterministic,
+///   each sum is taken in index order ([`crate::optim::LOptBackend::deterministic`]).
 ///
 /// ```
 /// candle_fastops::set_deterministic(true);

@@ -118,8 +118,11 @@ __device__ __forceinline__ void add_at(float* base, uint64_t idx, float v, bool 
     }
 }
 
-// Adds the block's sums of squared features into out[0..28] and clears acc.
-__device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*partial)[FEATURES], float* out) {
+// Adds the block's sums of squared features into out[0..28] (or, with `store`, writes them there)
+// and clears acc. The block's own sum is taken in a fixed order: only the atomic add across blocks
+// depends on timing.
+__device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*partial)[FEATURES], float* out,
+                                           bool store = false) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int f = 0; f < FEATURES; ++f) {
@@ -132,9 +135,26 @@ __device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*parti
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) v += partial[w][threadIdx.x];
-        atomicAdd(out + threadIdx.x, v);
+        if (store) {
+            out[threadIdx.x] = v;
+        } else {
+            atomicAdd(out + threadIdx.x, v);
+        }
     }
     __syncthreads();
+}
+
+// The sum over the removed axis of the elements that drop_axis(., inner, outer) maps to `o`, in
+// index order and in f64: the deterministic form of the atomic reductions.
+__device__ __forceinline__ float ordered_axis_sum(const float* __restrict__ src, uint64_t o, uint64_t inner,
+                                                  uint64_t outer, bool square) {
+    const uint64_t q = o / inner, base = q * outer + (o - q * inner), len = outer / inner;
+    double sum = 0.0;
+    for (uint64_t k = 0; k < len; ++k) {
+        const float v = src[base + k * inner];
+        sum += square ? static_cast<double>(v * v) : static_cast<double>(v);
+    }
+    return static_cast<float>(sum);
 }
 
 }  // namespace
@@ -227,6 +247,23 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             if (!m.factored || m.tiled || g == nullptr) continue;
             square_sums_span(m, g, ch.start, min(chunks[last].start + CHUNK, m.n), buf, slots);
         }
+    }
+}
+
+// The deterministic square sums (set_deterministic / LOptBackend::deterministic): blockIdx.y is
+// the tensor of the group, x a block of THREADS of its rows then columns; each sum is taken by one
+// thread in index order, written once (no atomics). Reads the gradient twice.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    lopt_square_sums_ordered(const LoptMeta* __restrict__ meta, uint32_t first, StepTensors ptrs, Buffers buf) {
+    const LoptMeta& m = meta[first + blockIdx.y];
+    const float* __restrict__ g = ptrs.grad[blockIdx.y];
+    if (!m.factored || g == nullptr) return;
+    const uint64_t o = static_cast<uint64_t>(blockIdx.x) * THREADS + threadIdx.x;
+    if (o < m.rows) {
+        buf.row_sum[m.row_sum + o] = ordered_axis_sum(g, o, m.inner0.d, m.outer0.d, true);
+    } else if (o < m.rows + m.cols) {
+        const uint64_t c = o - m.rows;
+        buf.col_sum[m.col_sum + c] = ordered_axis_sum(g, c, m.inner1.d, m.outer1.d, true);
     }
 }
 
@@ -324,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // factors: row_factor = srsqrt(row / (mean over d1 + 1e-9)), col_factor = srsqrt(col).
 extern "C" __global__ void __launch_bounds__(THREADS)
     lopt_factors(const LoptMeta* __restrict__ meta, uint32_t first, uint32_t count, StepTensors ptrs,
-                 Buffers buf, Decays d) {
+                 Buffers buf, Decays d, uint32_t deterministic) {
     __shared__ float partial[WARPS][FEATURES];
     const uint32_t lane = threadIdx.x & 31;
     for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
@@ -353,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                     feature_sq[13 + k] += v * v;
                     feature_sq[19 + k] += inv * inv;
                 }
-                add_at(buf.batch_sum + m.batch + k * m.batches, b, v, active);
+                if (!deterministic) add_at(buf.batch_sum + m.batch + k * m.batches, b, v, active);
             }
         }
         for (uint64_t c = threadIdx.x; c < m.cols; c += THREADS) {
@@ -377,8 +414,18 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             feature_sq[16 + k] *= per_col;
             feature_sq[22 + k] *= per_col;
         }
-        // Also a barrier: the batch sums are complete after it (only this block adds to them).
+        // Also a barrier: the batch sums are complete after it (only this block adds to them),
+        // and the row accumulators are all written.
         flush_sums(feature_sq, partial, buf.feat_sum + (first + i) * FEATURES);
+        if (deterministic) {
+            for (uint64_t b = threadIdx.x; b < m.batches; b += THREADS) {
+#pragma unroll
+                for (int k = 0; k < 3; ++k)
+                    buf.batch_sum[m.batch + k * m.batches + b] =
+                        ordered_axis_sum(row + k * m.rows, b, m.row_inner1.d, m.row_outer1.d, false);
+            }
+            __syncthreads();
+        }
         for (uint64_t r = threadIdx.x; r < m.rows; r += THREADS) {
             const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
 #pragma unroll
@@ -484,7 +531,7 @@ __device__ __forceinline__ void features(bool factored, const Inputs& s, float (
 // blocks per multiprocessor at 80 registers, no spills.
 extern "C" __global__ void __launch_bounds__(THREADS, 3)
     lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
-               StepTensors ptrs, Buffers buf, Decays d) {
+               StepTensors ptrs, Buffers buf, Decays d, float* chunk_sums) {
     __shared__ float partial[WARPS][FEATURES];
     float acc[FEATURES];
 #pragma unroll
@@ -494,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
         const Chunk ch = chunks[c];
         const float* grad = ptrs.grad[ch.tensor - first];
         if (grad == nullptr) continue;
-        if (ch.tensor != current) {
+        if (ch.tensor != current && chunk_sums == nullptr) {
             if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
             current = ch.tensor;
         }
@@ -525,8 +572,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
 #pragma unroll
             for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
         }
+        if (chunk_sums != nullptr) flush_sums(acc, partial, chunk_sums + static_cast<uint64_t>(c) * FEATURES, true);
     }
     if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
+}
+
+// The deterministic end of lopt_stats (which then writes each chunk's sums to chunk_sums): a
+// block per tensor of the group adds its chunks' sums into feat_sum in chunk order, in f64.
+// Tensor i's chunks are [chunk_starts[i], chunk_starts[i + 1]).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    lopt_chunk_sums(const uint32_t* __restrict__ chunk_starts, uint32_t first, uint32_t count, StepTensors ptrs,
+                    Buffers buf, const float* __restrict__ chunk_sums) {
+    for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
+        if (ptrs.grad[i] == nullptr || threadIdx.x >= FEATURES) continue;
+        double sum = 0.0;
+        for (uint32_t c = chunk_starts[i]; c < chunk_starts[i + 1]; ++c)
+            sum += chunk_sums[static_cast<uint64_t>(c) * FEATURES + threadIdx.x];
+        buf.feat_sum[static_cast<uint64_t>(first + i) * FEATURES + threadIdx.x] += static_cast<float>(sum);
+    }
 }
 
 namespace {

@@ -20,4 +20,4 @@
 
 mod small_fc_lopt;
 
-pub use small_fc_lopt::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};
+pub use small_fc_lopt::{LOptBackend, MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

@@ -366,7 +366,7 @@ fn small_fc_lopt_fused_agrees_with_the_reference() {
                 })
                 .collect::<Result<_>>()?;
             let mut params = ParamsSmallFcLOpt::new(MlpWeights::from_safetensors(mlp_path, dev)?);
-            params.fused = fused;
+            params.backend.fused = fused;
             let mut opt = SmallFcLOpt::new(vars.clone(), params)?;
             for round in 0..2u64 {
                 let mut grads = candle_core::backprop::GradStore::default();

@@ -1,7 +1,9 @@
 use crate::common::*;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_fastops::optim::{MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};
+use candle_fastops::optim::{
+    LOptBackend, MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt,
+};
 use candle_nn::Optimizer;
 use std::collections::HashMap;
 
@@ -57,8 +59,8 @@ fn params_mode(
     tensor_cores: bool,
 ) -> ParamsSmallFcLOpt {
     let mut params = ParamsSmallFcLOpt::new(mlp);
-    params.fused = fused;
-    params.tensor_cores = tensor_cores;
+    params.backend.fused = fused;
+    params.backend.tensor_cores = tensor_cores;
     if config == "lr_wd" {
         params.lr = 0.5;
         params.weight_decay = 0.01;
@@ -373,7 +375,7 @@ fn structured_grads(vars: &[Var], dev: &Device, salt: u64, frozen: &[usize]) -> 
 /// Returns the worst f32 error seen.
 fn check_fused_against_composed(
     dev: &Device,
-    tensor_cores: bool,
+    backend: LOptBackend,
     vars: impl Fn() -> Result<Vec<Var>>,
     frozen: &[usize],
     steps: u64,
@@ -384,9 +386,9 @@ fn check_fused_against_composed(
     let mut params = ParamsSmallFcLOpt::new(mlp);
     params.weight_decay = 0.01;
     params.lr = 0.7;
-    params.tensor_cores = tensor_cores;
+    params.backend = backend;
     let mut fused = SmallFcLOpt::new(fused_vars.clone(), params.clone())?;
-    params.fused = false;
+    params.backend.fused = false;
     let mut composed = SmallFcLOpt::new(composed_vars.clone(), params)?;
     let mut worst = 0f64;
     for step in 0..steps {
@@ -438,7 +440,7 @@ fn check_fused_against_composed(
             };
             assert!(
                 err <= allowed,
-                "fused (tensor cores {tensor_cores}) vs composed on {:?}, variable {i} {:?} {:?}, step {step}: relative error {err:.2e}",
+                "fused ({backend:?}) vs composed on {:?}, variable {i} {:?} {:?}, step {step}: relative error {err:.2e}",
                 dev.location(),
                 f.dims(),
                 f.dtype()
@@ -485,11 +487,17 @@ fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
                 })
                 .collect()
         };
-        for tensor_cores in [false, true] {
+        // (tensor cores, deterministic); the CPU ignores both.
+        for (tensor_cores, deterministic) in [(false, false), (true, false), (true, true)] {
+            let backend = LOptBackend {
+                tensor_cores,
+                deterministic: Some(deterministic),
+                ..Default::default()
+            };
             let tol = fused_tolerance(dev, tensor_cores);
-            let worst = check_fused_against_composed(dev, tensor_cores, make, &[], 4, tol)?;
+            let worst = check_fused_against_composed(dev, backend, make, &[], 4, tol)?;
             eprintln!(
-                "random model on {:?}, tensor cores {tensor_cores}: worst relative error {worst:.2e} (allowed {tol:.0e})",
+                "random model on {:?}, {backend:?}: worst relative error {worst:.2e} (allowed {tol:.0e})",
                 dev.location()
             );
         }
@@ -539,10 +547,69 @@ fn many_tensors_of_every_rank_match_the_reference() -> Result<()> {
         };
         for &tensor_cores in modes {
             let tol = fused_tolerance(dev, tensor_cores);
-            let worst = check_fused_against_composed(dev, tensor_cores, make, &frozen, 3, tol)?;
+            let backend = LOptBackend {
+                tensor_cores,
+                // Deterministic with the tensor cores: the ordered sums across launch groups.
+                deterministic: Some(tensor_cores),
+                ..Default::default()
+            };
+            let worst = check_fused_against_composed(dev, backend, make, &frozen, 3, tol)?;
             eprintln!(
                 "{count} tensors on {:?}, tensor cores {tensor_cores}: worst relative error {worst:.2e} (allowed {tol:.0e})",
                 dev.location()
+            );
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// With determinism on, the CUDA step gives the same bits run to run (every reduction in a fixed
+/// order), on a model with every kind of tensor: wide matrices (tiled square sums without
+/// determinism), narrow and batched ones, vectors and a scalar. On the CPU, where the step is
+/// always deterministic, the same holds.
+#[test]
+fn deterministic_steps_repeat_bit_for_bit() -> Result<()> {
+    for_each_device(|dev| {
+        let shapes: [&[usize]; 7] = [
+            &[300, 1100],
+            &[700, 513],
+            &[257, 129],
+            &[3, 50, 7],
+            &[2, 1, 9, 31],
+            &[1000],
+            &[],
+        ];
+        let run = || -> Result<Vec<Vec<u32>>> {
+            let vars: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Var::from_tensor(&rand_tensor(s, 1.0, DType::F32, dev, 40 + i as u64)?)
+                })
+                .collect::<Result<_>>()?;
+            let mut params = ParamsSmallFcLOpt::new(MlpWeights::from_safetensors(MLP, dev)?);
+            params.backend.deterministic = Some(true);
+            let mut opt = SmallFcLOpt::new(vars.clone(), params)?;
+            for step in 0..3 {
+                opt.step(&structured_grads(&vars, dev, 900 + step, &[])?)?;
+            }
+            vars.iter()
+                .map(|v| {
+                    let values = v.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+                    Ok(values.iter().map(|x| x.to_bits()).collect())
+                })
+                .collect()
+        };
+        let (first, second) = (run()?, run()?);
+        for (i, (a, b)) in first.iter().zip(&second).enumerate() {
+            let differ = a.iter().zip(b).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differ,
+                0,
+                "{:?}: variable {i} {:?}: {differ} elements differ between two deterministic runs",
+                dev.location(),
+                shapes[i]
             );
         }
         Ok(())
@@ -596,7 +663,12 @@ fn named_state_resumes_in_any_order() -> Result<()> {
     ));
     for_each_device(|dev| {
         let mlp = MlpWeights::from_safetensors(MLP, dev)?;
-        let params = ParamsSmallFcLOpt::new(mlp);
+        // Deterministic (the CPU always is): the resumed step must match bit for bit.
+        let backend = LOptBackend {
+            deterministic: Some(true),
+            ..Default::default()
+        };
+        let params = ParamsSmallFcLOpt::new(mlp).with_backend(backend);
         // The uninterrupted run: two steps, save, snapshot, a third step.
         let vars = named_vars(dev, &NAMED, 10)?;
         let mut opt = SmallFcLOpt::new_named(vars.clone(), params.clone())?;
@@ -621,20 +693,15 @@ fn named_state_resumes_in_any_order() -> Result<()> {
         resumed.step(&grads_for(&vars, 3)?)?;
         let got = values(&vars)?;
         for ((name, want), (_, have)) in expected.iter().zip(&got) {
-            if dev.is_cpu() {
-                let same = want
-                    .iter()
-                    .zip(have)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{name}: resumed step differs from the uninterrupted run"
-                );
-            } else {
-                let w: Vec<f64> = want.iter().map(|&x| x as f64).collect();
-                let h: Vec<f64> = have.iter().map(|&x| x as f64).collect();
-                assert_close(&h, &w, 1e-6, name);
-            }
+            let same = want
+                .iter()
+                .zip(have)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{name} on {:?}: resumed step differs from the uninterrupted run",
+                dev.location()
+            );
         }
 
         // The same through a VarMap (name order).

@@ -7,6 +7,11 @@
 //! addresses of a group travel as a kernel argument), whatever the tensor count: square sums (by
 //! chunks, and by row / column tiles for wide 2-D matrices), Adafactor factors, accumulators +
 //! feature statistics, MLP + parameter update. Parameters are written in place.
+//!
+//! Deterministic steps replace the float atomics of the reductions: the square sums are taken by
+//! `lopt_square_sums_ordered` (a thread per row or column sum, in index order), the factors'
+//! batch sums in index order, and the feature sums per chunk, then added in chunk order by
+//! `lopt_chunk_sums`.
 
 use super::cpu::{Decays, Hyper, FEATURES, MLP_FLOATS};
 use crate::cuda::{FastDiv, Kernel, Module};
@@ -14,6 +19,15 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::OP;
+
+/// The backend switches of a CUDA step, resolved.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Backend {
+    /// The MLP on f16 tensor cores (split operands) rather than f32 FMAs.
+    pub tensor_cores: bool,
+    /// Every sum in a fixed order (ordered square sums, batch sums and feature sums).
+    pub deterministic: bool,
+}
 use crate::kernel_constants::small_fc_lopt::{CHUNK, GROUP, TILE_COLS};
 const THREADS: u32 = crate::kernel_constants::small_fc_lopt::THREADS as u32;
 const SQUARE_SUM_RUN: u32 = crate::kernel_constants::small_fc_lopt::SQUARE_SUM_RUN as u32;
@@ -184,6 +198,12 @@ struct Group {
     n_tiles: u32,
     /// Whether any matrix of the group takes the chunk-walking square sums (not tiled).
     chunked_matrices: bool,
+    /// Whether any tensor of the group is a matrix.
+    matrices: bool,
+    /// The most rows + columns of a matrix of the group.
+    max_row_col: usize,
+    /// u32 `[count + 1]`: tensor `first + i`'s chunks are `chunk_starts[i]..chunk_starts[i + 1]`.
+    chunk_starts: Tensor,
 }
 
 /// The state of every tensor in flat device buffers, and the static tables of the kernels.
@@ -201,9 +221,29 @@ pub(super) struct DeviceState {
     /// Row sums | column sums | batch sums | feature sums, zeroed at the start of each step.
     scratch: Tensor,
     scratch_at: [usize; 4],
+    /// Deterministic steps: the feature sums of each chunk of a group (`FEATURES` per chunk).
+    chunk_sums: Tensor,
     meta: Tensor,
     groups: Vec<Group>,
 }
+
+/// The tensors a step locks, in order: their positions in the list of device addresses that
+/// `launch_step` receives. The groups' chunk tables, their tile tables, their chunk starts and
+/// then the (gradient, parameter) pairs follow.
+#[derive(Debug, Clone, Copy)]
+enum Locked {
+    Elem,
+    Full,
+    Row,
+    Col,
+    RowFactor,
+    ColFactor,
+    Scratch,
+    ChunkSums,
+    Meta,
+    Mlp,
+}
+const FIXED_LOCKED: usize = Locked::Mlp as usize + 1;
 
 /// Uploads `items` (padding-free repr(C) structs) as a u32 tensor.
 fn upload<T: bytemuck::Pod>(items: &[T], dev: &Device) -> Result<Tensor> {
@@ -298,6 +338,7 @@ impl DeviceState {
         ];
         let scratch_len = scratch_at[3] + FEATURES * shapes.len();
         let mut groups = Vec::new();
+        let mut max_chunks = 0;
         for first in (0..shapes.len()).step_by(GROUP) {
             let count = GROUP.min(shapes.len() - first);
             let chunks: Vec<Chunk> = (first..first + count)
@@ -333,6 +374,16 @@ impl DeviceState {
             if chunks.len() > u32::MAX as usize || tiles.len() > u32::MAX as usize {
                 bail!("{OP}: too many chunks in one launch");
             }
+            let mut chunk_starts = vec![0u32];
+            for t in first..first + count {
+                let last = *chunk_starts.last().unwrap_or(&0);
+                chunk_starts.push(last + slots[t].n.div_ceil(CHUNK) as u32);
+            }
+            let max_row_col = (first..first + count)
+                .map(|t| (metas[t].rows + metas[t].cols) as usize)
+                .max()
+                .unwrap_or(0);
+            max_chunks = max_chunks.max(chunks.len());
             groups.push(Group {
                 first,
                 count,
@@ -341,6 +392,9 @@ impl DeviceState {
                 n_tiles: tiles.len() as u32,
                 chunked_matrices: (first..first + count)
                     .any(|t| metas[t].factored != 0 && metas[t].tiled == 0),
+                matrices: (first..first + count).any(|t| metas[t].factored != 0),
+                max_row_col,
+                chunk_starts: upload(&chunk_starts, dev)?,
                 tiles: upload(&tiles, dev)?,
             });
         }
@@ -354,6 +408,7 @@ impl DeviceState {
             col_factor: zeros(col)?,
             scratch: zeros(scratch_len)?,
             scratch_at,
+            chunk_sums: zeros(max_chunks * FEATURES)?,
             meta: upload(&metas, dev)?,
             groups,
         })
@@ -368,7 +423,7 @@ impl DeviceState {
         decays: Decays,
         mlp: &Tensor,
         hyper: Hyper,
-        tensor_cores: bool,
+        backend: Backend,
     ) -> Result<()> {
         let Device::Cuda(dev) = self.elem.device() else {
             bail!("{OP}: internal error, the flat state is not on a GPU");
@@ -377,7 +432,7 @@ impl DeviceState {
         debug_assert_eq!(mlp.elem_count(), MLP_FLOATS);
         // Every tensor the kernels touch, in a fixed order: the state buffers and the parameters
         // are written (write-locked through candle's in-place path), the rest only read.
-        let mut tensors: Vec<(&Tensor, bool)> = vec![
+        let fixed: [(&Tensor, bool); FIXED_LOCKED] = [
             (&self.elem, true),
             (&self.full, true),
             (&self.row, true),
@@ -385,17 +440,20 @@ impl DeviceState {
             (&self.row_factor, true),
             (&self.col_factor, true),
             (&self.scratch, true),
+            (&self.chunk_sums, true),
             (&self.meta, false),
             (mlp, false),
         ];
+        let mut tensors = fixed.to_vec();
         tensors.extend(self.groups.iter().map(|g| (&g.chunks, false)));
         tensors.extend(self.groups.iter().map(|g| (&g.tiles, false)));
+        tensors.extend(self.groups.iter().map(|g| (&g.chunk_starts, false)));
         for (g, p) in work.iter().flatten() {
             tensors.push((g, false));
             tensors.push((p, true));
         }
         crate::cuda::locks::with_locked_addresses(OP, dev, &tensors, |views| {
-            self.launch_step(dev, work, views, decays, hyper, tensor_cores)
+            self.launch_step(dev, work, views, decays, hyper, backend)
         })
     }
 
@@ -408,28 +466,35 @@ impl DeviceState {
         views: &[u64],
         decays: Decays,
         hyper: Hyper,
-        tensor_cores: bool,
+        backend: Backend,
     ) -> Result<()> {
         let ptr = |i: usize| views[i];
-        let scratch = ptr(6);
+        let fixed = |slot: Locked| views[slot as usize];
+        let scratch = fixed(Locked::Scratch);
         let at = |k: usize| scratch + 4 * self.scratch_at[k] as u64;
         let buffers = Buffers {
-            elem: ptr(0),
-            full: ptr(1),
-            row: ptr(2),
-            col: ptr(3),
-            row_factor: ptr(4),
-            col_factor: ptr(5),
+            elem: fixed(Locked::Elem),
+            full: fixed(Locked::Full),
+            row: fixed(Locked::Row),
+            col: fixed(Locked::Col),
+            row_factor: fixed(Locked::RowFactor),
+            col_factor: fixed(Locked::ColFactor),
             row_sum: at(0),
             col_sum: at(1),
             batch_sum: at(2),
             feat_sum: at(3),
         };
-        let (meta, mlp_ptr) = (ptr(7), ptr(8));
-        let chunk_ptrs = 9;
+        let (meta, mlp_ptr) = (fixed(Locked::Meta), fixed(Locked::Mlp));
+        let chunk_sums = if backend.deterministic {
+            fixed(Locked::ChunkSums)
+        } else {
+            0
+        };
+        let chunk_ptrs = FIXED_LOCKED;
         let tile_ptrs = chunk_ptrs + self.groups.len();
+        let start_ptrs = tile_ptrs + self.groups.len();
         let mut step_ptrs = Vec::with_capacity(self.slots.len());
-        let mut next = tile_ptrs + self.groups.len();
+        let mut next = start_ptrs + self.groups.len();
         for w in work {
             step_ptrs.push(match w {
                 Some(_) => {
@@ -448,7 +513,11 @@ impl DeviceState {
             Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_tiled"])?;
         let factors = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_factors"])?;
         let stats = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_stats"])?;
-        let update_name: &[&str] = if tensor_cores {
+        let square_sums_ordered =
+            Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_ordered"])?;
+        let chunk_sums_kernel = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_chunk_sums"])?;
+        let deterministic = backend.deterministic as u32;
+        let update_name: &[&str] = if backend.tensor_cores {
             // Which layers split their f16 operands (bit 1: input layer, bit 0: hidden layer);
             // both by default, other choices for accuracy / speed studies.
             let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3) & 3;
@@ -490,6 +559,7 @@ impl DeviceState {
                 continue;
             }
             let (chunks, tiles) = (ptr(chunk_ptrs + gi), ptr(tile_ptrs + gi));
+            let chunk_starts = ptr(start_ptrs + gi);
             let (first, count, n_chunks) = (group.first as u32, group.count as u32, group.n_chunks);
             let n_tiles = group.n_tiles;
             // The arguments the three chunk-walking kernels start with.
@@ -508,13 +578,27 @@ impl DeviceState {
             // is a live contiguous f32 buffer of its tensor's element count, and the state,
             // factor and scratch buffers were sized from the same table.
             unsafe {
-                if group.chunked_matrices {
+                if backend.deterministic && group.matrices {
+                    let blocks_x = group.max_row_col.div_ceil(THREADS as usize);
+                    if blocks_x > i32::MAX as usize {
+                        bail!("{OP}: a matrix has too many rows and columns");
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks_x as u32, count, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    square_sums_ordered.launch(cfg, |a| {
+                        a.arg(&meta).arg(&first).arg(&tensors).arg(&buffers);
+                    })?;
+                }
+                if group.chunked_matrices && !backend.deterministic {
                     let runs = n_chunks.div_ceil(SQUARE_SUM_RUN);
                     square_sums.launch(grid(caps[0], runs), |a| {
                         chunk_args!(a);
                     })?;
                 }
-                if n_tiles > 0 {
+                if n_tiles > 0 && !backend.deterministic {
                     square_sums_tiled.launch(grid(caps[4], n_tiles), |a| {
                         a.arg(&meta)
                             .arg(&tiles)
@@ -530,11 +614,22 @@ impl DeviceState {
                         .arg(&count)
                         .arg(&tensors)
                         .arg(&buffers)
-                        .arg(&decays);
+                        .arg(&decays)
+                        .arg(&deterministic);
                 })?;
                 stats.launch(grid(caps[2], n_chunks), |a| {
-                    chunk_args!(a).arg(&decays);
+                    chunk_args!(a).arg(&decays).arg(&chunk_sums);
                 })?;
+                if backend.deterministic {
+                    chunk_sums_kernel.launch(grid(caps[1], count), |a| {
+                        a.arg(&chunk_starts)
+                            .arg(&first)
+                            .arg(&count)
+                            .arg(&tensors)
+                            .arg(&buffers)
+                            .arg(&chunk_sums);
+                    })?;
+                }
                 update.launch(grid(caps[3], n_chunks), |a| {
                     chunk_args!(a).arg(&mlp_ptr).arg(&hyper);
                 })?;

@@ -10,7 +10,7 @@
 //! features, runs the MLP and writes the parameter — so the `[39, n]` features never exist in
 //! memory. CUDA: the same passes, plus the Adafactor reductions, as four or five kernels over
 //! all tensors at once, on state kept in flat device buffers and updated in place
-//! (`cuda.rs`). `ParamsSmallFcLOpt::fused = false` selects the reference built from
+//! (`cuda.rs`). `LOptBackend::fused = false` selects the reference built from
 //! candle ops only (it materialises `[28, n]` features and `[32, n]` activations).
 
 mod cpu;
@@ -23,7 +23,7 @@ mod state;
 mod step;
 
 pub use mlp::MlpWeights;
-pub use params::{NonFiniteGrads, ParamsSmallFcLOpt};
+pub use params::{LOptBackend, NonFiniteGrads, ParamsSmallFcLOpt};
 
 use candle_core::{bail, DType, Result, Tensor, Var};
 use mlp::StepMlp;
@@ -220,7 +220,7 @@ impl SmallFcLOpt {
             ..params
         };
         #[cfg(feature = "cuda")]
-        if device.is_cuda() && params.fused {
+        if device.is_cuda() && params.backend.fused {
             let (flat, states) = TensorState::new_flat(vars, &device)?;
             return Ok(Self {
                 params,

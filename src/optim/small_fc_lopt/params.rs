@@ -18,7 +18,9 @@ pub enum NonFiniteGrads {
 }
 
 /// Hyper-parameters of [`SmallFcLOpt`](super::SmallFcLOpt), with the published defaults from
-/// [`ParamsSmallFcLOpt::new`].
+/// [`ParamsSmallFcLOpt::new`] (or [`ParamsSmallFcLOpt::from_safetensors`]); change a field with
+/// struct update syntax, `ParamsSmallFcLOpt { lr: 0.5, ..ParamsSmallFcLOpt::new(mlp) }`. The
+/// [`LOptBackend`] switches are kept apart in `backend`.
 #[derive(Debug, Clone)]
 pub struct ParamsSmallFcLOpt {
     /// Scales every step (1.0).
@@ -38,19 +40,44 @@ pub struct ParamsSmallFcLOpt {
     pub adafactor_offsets: [f64; 3],
     /// Handling of NaN / infinite gradients.
     pub non_finite: NonFiniteGrads,
+    /// The MLP.
+    pub mlp: MlpWeights,
+    /// How the step is computed: switches that change speed and rounding, not the algorithm.
+    pub backend: LOptBackend,
+}
+
+/// How [`SmallFcLOpt`](super::SmallFcLOpt) computes a step. The defaults are the fast paths.
+///
+/// ```
+/// use candle_fastops::optim::LOptBackend;
+/// let exact = LOptBackend { tensor_cores: false, deterministic: Some(true), ..Default::default() };
+/// assert!(exact.fused);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LOptBackend {
     /// `true` (default): the fused per-element passes (CPU threads or CUDA kernels), which never
     /// materialise the features. `false`: the reference built from candle ops, which stacks the
     /// `[28, n]` features and `[32, n]` activations of each tensor (for testing).
     pub fused: bool,
     /// CUDA, fused path: evaluate the MLP's two 32-wide layers on f16 tensor cores (default)
     /// instead of f32 FMAs. Every operand is split into two f16 halves and the three significant
-    /// products are accumulated in f32, so the result matches f32 arithmetic closely (the
-    /// golden vectors to 1e-4, see BENCHMARKS.md) at a fraction of the FMA path's time. A
-    /// single f16 rounding per operand was measured at 1.2-2.5e-4 against the golden vectors,
-    /// too coarse, so there is no cheaper mode. Ignored on the CPU, which always uses f32.
+    /// products are accumulated in f32, so the result stays within 1e-4 of the golden vectors
+    /// (f32 arithmetic). Ignored on the CPU, which always uses f32.
     pub tensor_cores: bool,
-    /// The MLP.
-    pub mlp: MlpWeights,
+    /// CUDA, fused path: `Some(true)` makes every step bit-reproducible (the per-tensor sums are
+    /// taken in a fixed order instead of with float atomics; slower, see BENCHMARKS.md);
+    /// `None` (default) follows [`crate::deterministic`]. The CPU step is always deterministic.
+    pub deterministic: Option<bool>,
+}
+
+impl Default for LOptBackend {
+    fn default() -> Self {
+        Self {
+            fused: true,
+            tensor_cores: true,
+            deterministic: None,
+        }
+    }
 }
 
 impl ParamsSmallFcLOpt {
@@ -65,10 +92,23 @@ impl ParamsSmallFcLOpt {
             rms_offset: 0.01079706,
             adafactor_offsets: [0.18621896, -0.10864615, -0.06185547],
             non_finite: NonFiniteGrads::Propagate,
-            fused: true,
-            tensor_cores: true,
             mlp,
+            backend: LOptBackend::default(),
         }
+    }
+
+    /// The published defaults with the MLP read from a safetensors file (see
+    /// [`MlpWeights::from_safetensors`]).
+    pub fn from_safetensors(
+        path: impl AsRef<std::path::Path>,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        Ok(Self::new(MlpWeights::from_safetensors(path, device)?))
+    }
+
+    /// These parameters with another backend.
+    pub fn with_backend(self, backend: LOptBackend) -> Self {
+        Self { backend, ..self }
     }
 }
 

@@ -40,7 +40,14 @@ impl SmallFcLOpt {
             decays.fused(),
             &mlp.packed,
             self.hyper(),
-            self.params.tensor_cores,
+            super::cuda::Backend {
+                tensor_cores: self.params.backend.tensor_cores,
+                deterministic: self
+                    .params
+                    .backend
+                    .deterministic
+                    .unwrap_or_else(crate::deterministic),
+            },
         )?;
         for i in copied {
             if let Some((_, p)) = &tensors[i] {
@@ -64,7 +71,7 @@ impl SmallFcLOpt {
             return Ok(None);
         };
         let p = state.var.as_tensor().to_dtype(DType::F32)?.reshape(shape)?;
-        let (new_p, acc) = if self.params.fused {
+        let (new_p, acc) = if self.params.backend.fused {
             self.fused_update(state, &g, &p, decays, mlp)?
         } else {
             let acc = Accumulators::update(state, &g, decays)?;
