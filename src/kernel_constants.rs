@@ -30,6 +30,12 @@ pub mod matmul {
     pub const TILE_FULL: u8 = 2;
 }
 
+/// The tile summary of a mask (empty / partial / full per tile).
+pub mod tile_summary {
+    /// Threads per block (a block per tile).
+    pub const THREADS: usize = 256;
+}
+
 /// bias_add.
 pub mod bias_add {
     /// Threads per block.

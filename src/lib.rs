@@ -70,6 +70,7 @@ pub mod optim;
 mod poison;
 mod softmax;
 mod sparse_linear;
+mod tile_summary;
 
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]

@@ -26,6 +26,7 @@ pub(crate) enum Module {
     SparseLinear,
     SmallFcLOpt,
     Matmul,
+    TileSummary,
 }
 
 impl Module {
@@ -36,6 +37,7 @@ impl Module {
             Module::SparseLinear => "candle_fastops_sparse_linear",
             Module::SmallFcLOpt => "candle_fastops_small_fc_lopt",
             Module::Matmul => "candle_fastops_matmul",
+            Module::TileSummary => "candle_fastops_tile_summary",
         }
     }
 
@@ -46,6 +48,7 @@ impl Module {
             Module::SparseLinear => entries::SPARSE_LINEAR,
             Module::SmallFcLOpt => entries::SMALL_FC_LOPT,
             Module::Matmul => entries::MATMUL,
+            Module::TileSummary => entries::TILE_SUMMARY,
         }
     }
 
@@ -56,6 +59,7 @@ impl Module {
             Module::SparseLinear => ptx::SPARSE_LINEAR,
             Module::SmallFcLOpt => ptx::SMALL_FC_LOPT,
             Module::Matmul => ptx::MATMUL,
+            Module::TileSummary => ptx::TILE_SUMMARY,
         }
     }
 }

@@ -738,3 +738,64 @@ fn cpu_and_gpu_agree() -> Result<()> {
     );
     Ok(())
 }
+
+/// A mask whose 128 x 128 tiles are each made empty, partial (one element flipped) or full at
+/// random, of odd size (edge tiles are partial-sized), read through a transposed view and a
+/// broadcast batch: the plan counts each kind exactly.
+#[test]
+fn mask_plan_counts_tiles_of_any_layout() -> Result<()> {
+    use rand::Rng;
+    for_each_device(|dev| {
+        let (m, n): (usize, usize) = (3 * 128 + 17, 2 * 128 + 1);
+        let (row_tiles, col_tiles) = (m.div_ceil(128), n.div_ceil(128));
+        let mut r = rng(91);
+        let mut expected = [0usize; 3];
+        let mut data = vec![0u8; m * n];
+        for ti in 0..row_tiles {
+            for tj in 0..col_tiles {
+                let kind = r.random_range(0..3usize);
+                expected[kind] += 1;
+                let (rows, cols) = (
+                    ti * 128..((ti + 1) * 128).min(m),
+                    tj * 128..((tj + 1) * 128).min(n),
+                );
+                let flip = (r.random_range(rows.clone()), r.random_range(cols.clone()));
+                for i in rows.clone() {
+                    for j in cols.clone() {
+                        let keep = match kind {
+                            0 => false,
+                            1 => (i, j) == flip,
+                            _ => true,
+                        };
+                        // Kept elements hold any nonzero byte.
+                        data[i * n + j] = if keep { 1 + (i * 7 + j) as u8 % 255 } else { 0 };
+                    }
+                }
+            }
+        }
+        let mask = Tensor::from_vec(data, (m, n), dev)?;
+        assert_eq!(
+            MaskPlan::new(&mask)?.tile_counts()?,
+            expected,
+            "contiguous on {dev:?}"
+        );
+        // The same mask stored transposed and read through a transposed view.
+        let transposed = mask.t()?.contiguous()?.t()?;
+        assert!(!transposed.is_contiguous());
+        assert_eq!(
+            MaskPlan::new(&transposed)?.tile_counts()?,
+            expected,
+            "transposed on {dev:?}"
+        );
+        // A batch of three broadcast from one matrix (batch stride 0).
+        let batched = mask.unsqueeze(0)?.broadcast_as((3, m, n))?;
+        let tripled = expected.map(|c| 3 * c);
+        assert_eq!(
+            MaskPlan::new(&batched)?.tile_counts()?,
+            tripled,
+            "broadcast on {dev:?}"
+        );
+        Ok(())
+    });
+    Ok(())
+}

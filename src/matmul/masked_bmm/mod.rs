@@ -16,17 +16,13 @@ use std::sync::{Arc, OnceLock};
 const OP: &str = "masked_bmm";
 
 /// Tile states of a [`MaskPlan`], as stored in its tensor and read by the kernels.
-use crate::kernel_constants::matmul::{
-    TILE_EMPTY as EMPTY, TILE_FULL as FULL, TILE_PARTIAL as PARTIAL,
-};
-// The plan is computed as `any(keep) + all(keep)` per tile, which gives exactly these values.
-const _: () = assert!(EMPTY == 0 && PARTIAL == 1 && FULL == 2);
+use crate::tile_summary::{TILE_EMPTY as EMPTY, TILE_PARTIAL as PARTIAL};
 
 /// A summary of a mask per 128 x 128 output tile (empty / partial / full), built once and reused
 /// by [`masked_bmm_with_plan`] while the mask's contents are unchanged.
 ///
-/// Building it costs a few reductions over the mask (candle ops on the mask's device); with a
-/// shared `[m, n]` mask that is small next to one product. The plan records the mask's shape,
+/// Building it reads the mask once on its device (in place, any strides); with a shared
+/// `[m, n]` mask that is small next to one product. The plan records the mask's shape,
 /// not its contents: after changing the mask, build a new plan (a stale plan makes tiles it
 /// calls full ignore the mask and tiles it calls empty return `fill`).
 ///
@@ -61,23 +57,7 @@ impl MaskPlan {
             );
         }
         let mask3 = as_rank3(mask)?;
-        let (mb, m, n) = mask3.dims3()?;
-        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        let states = if mb == 0 || row_tiles == 0 || col_tiles == 0 {
-            Tensor::zeros((mb, row_tiles, col_tiles), DType::U8, mask.device())?
-        } else {
-            // Padding by repeating the last row / column leaves each tile's min and max as they
-            // are over its real elements.
-            let keep = mask3.ne(&mask3.zeros_like()?)?;
-            let keep = keep
-                .pad_with_same(1, 0, row_tiles * TILE - m)?
-                .pad_with_same(2, 0, col_tiles * TILE - n)?
-                .reshape((mb, row_tiles, TILE, col_tiles, TILE))?;
-            let any = keep.max(4)?.max(2)?;
-            let all = keep.min(4)?.min(2)?;
-            // any + all: 0 = empty, 1 = partial, 2 = full.
-            (any + all)?.contiguous()?
-        };
+        let states = crate::tile_summary::tile_summary(&mask3, TILE, TILE)?;
         Ok(Self {
             states,
             spans: Arc::default(),
