@@ -12,7 +12,8 @@
 #
 # run.sh unpacks, finds the CUDA libraries on that machine, runs every GPU test (one thread, so
 # output stays readable), the examples and the bench, and writes tests.log, bench.log, ops.jsonl and
-# nvidia-smi.txt into OUTDIR. It exits non-zero when a test fails. sanitize.sh runs every test
+# nvidia-smi.txt into OUTDIR, then (where torch imports) the PyTorch anchors of
+# scripts/torch_anchors.py into torch.jsonl. It exits non-zero when a test fails. sanitize.sh runs every test
 # binary under memcheck, racecheck, initcheck and synccheck (the tools in parallel, instrumenting
 # only this crate's kernels, heavy tests shrunk by FASTOPS_TEST_LIGHT=1) and prints one summary
 # line per tool and binary (OUTDIR/sanitize.txt, full logs beside it).
@@ -112,6 +113,17 @@ done
 echo "=== bench"
 (cd "$here/../.." && FASTOPS_BENCH_OUT="$out/ops.jsonl" "$work"/bench-ops "$@") 2>&1 | tee "$out/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# PyTorch anchors in the same job, where torch imports (BENCHMARKS.md's "at a glance" table).
+python=""
+for p in /opt/torch/.venv/bin/python python3; do
+    if "$p" -c "import torch; assert torch.cuda.is_available()" > /dev/null 2>&1; then python=$p; break; fi
+done
+if [ -n "$python" ] && [ "${TORCH:-1}" != 0 ]; then
+    echo "=== torch anchors ($python)"
+    (cd "$here/../.." && "$python" scripts/torch_anchors.py "$out/torch.jsonl" "$@") 2>&1 | tee "$out/torch.log"
+else
+    echo "=== torch anchors: skipped (no torch with CUDA, or TORCH=0)"
+fi
 rm -rf "$work"
 echo "run.sh: exit $status"
 exit $status
