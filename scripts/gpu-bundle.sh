@@ -174,18 +174,20 @@ san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitiz
 # tracks which bytes kernels have written, so an uninstrumented candle kernel's output (a
 # `.contiguous()` copy, say) would read as uninitialized to ours.
 filter=()
-for k in bias_add softmax sparse_linear lopt_ masked_bmm argmin_matmul span_matmul; do
+for k in bias_add softmax sparse_linear lopt_ masked_bmm argmin_matmul span_matmul tile_summary; do
     filter+=(--kernel-name "kns=$k")
 done
 export FASTOPS_TEST_LIGHT=1
+# SAN_SPLIT="f1 f2 ..." runs each tool once per test-name filter (side by side), for a tool too
+# slow over a whole binary inside one command's time limit.
 run_tool() {
-    local tool=$1 t=$2 name log extra=()
-    name=$(basename "$t")
+    local tool=$1 t=$2 filter_arg=${3:-} name log extra=()
+    name=$(basename "$t")${filter_arg:+-${filter_arg//:/}}
     log="$out/san-$tool-$name.log"
     [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
     [ "$tool" != initcheck ] && extra+=("${filter[@]}")
     (cd "$here/../.." && timeout "${SAN_TIMEOUT:-1500}" "$san" --tool "$tool" "${extra[@]}" \
-        --error-exitcode 9 "$t" --test-threads="${SAN_THREADS:-4}") > "$log" 2>&1
+        --error-exitcode 9 "$t" $filter_arg --test-threads="${SAN_THREADS:-4}") > "$log" 2>&1
     local rc=$?
     local summary result
     summary=$(grep -E '(ERROR|RACECHECK|INITCHECK|SYNCCHECK) SUMMARY' "$log" | tail -n1 | sed 's/^========= //')
@@ -195,7 +197,11 @@ run_tool() {
 : > "$out/sanitize.txt"
 for tool in $tools; do
     for t in "$work"/test-*; do
-        run_tool "$tool" "$t" >> "$out/sanitize.txt" &
+        if [ -n "${SAN_SPLIT:-}" ]; then
+            for f in $SAN_SPLIT; do run_tool "$tool" "$t" "$f" >> "$out/sanitize.txt" & done
+        else
+            run_tool "$tool" "$t" >> "$out/sanitize.txt" &
+        fi
     done
 done
 wait

@@ -71,9 +71,10 @@ enum Form {
 }
 
 use crate::kernel_constants::softmax::{CACHED_ELEMENTS, CACHED_VECTORS, LANE_WIDTH, THREADS};
+
 /// Column groups up to this size fit in the scalar kernels' registers (16 values x 8 y
 /// threads) and run faster there than in the lanes form, whose four accumulators cost four
-/// block reductions (H200: dims [0] of [32, 1024, 4096], 0.39 ms scalar, 0.47 ms lanes).
+/// block reductions (BENCHMARKS.md, softmax).
 const SCALAR_COLUMN_CACHE: usize = CACHED_ELEMENTS * MAX_COLUMN_LY;
 
 /// Most y threads per column-like group, so a warp still reads whole sectors.
@@ -150,8 +151,7 @@ pub(super) fn launch_softmax<T: WithDType>(
         // One read: persistent blocks, as many as fit on the device, walk the columns.
         // Rows: one resident wave that walks the columns, prefetching
         // (FASTOPS_SOFTMAX_BLOCKS_PER_SM overrides its size). Column-like groups: a block per
-        // column, which measured faster there (H200, dims [0] of [32, 1024, 4096]: see
-        // BENCHMARKS.md).
+        // column (faster there: BENCHMARKS.md, softmax).
         let walk = if lanes == 1 { "rows" } else { "cols" };
         let kernel =
             Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "cached", walk, variant])?;

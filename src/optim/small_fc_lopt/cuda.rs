@@ -375,9 +375,9 @@ impl DeviceState {
                 bail!("{OP}: too many chunks in one launch");
             }
             let mut chunk_starts = vec![0u32];
-            for t in first..first + count {
+            for slot in &slots[first..first + count] {
                 let last = *chunk_starts.last().unwrap_or(&0);
-                chunk_starts.push(last + slots[t].n.div_ceil(CHUNK) as u32);
+                chunk_starts.push(last + slot.n.div_ceil(CHUNK) as u32);
             }
             let max_row_col = (first..first + count)
                 .map(|t| (metas[t].rows + metas[t].cols) as usize)
