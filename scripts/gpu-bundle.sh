@@ -92,6 +92,8 @@ missing=$(ldd "$work"/bench-* | grep 'not found' | sort -u)
 
 status=0
 : > "$out/tests.log"
+# TESTS=0 skips the tests (a bench-only run).
+[ "${TESTS:-1}" = 0 ] && rm -f "$work"/test-* "$work"/example-*
 for t in "$work"/test-*; do
     [ -e "$t" ] || continue
     echo "=== $(basename "$t")" | tee -a "$out/tests.log"
