@@ -251,19 +251,41 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // The deterministic square sums (set_deterministic / LOptBackend::deterministic): blockIdx.y is
-// the tensor of the group, x a block of THREADS of its rows then columns; each sum is taken by one
-// thread in index order, written once (no atomics). Reads the gradient twice.
+// the tensor of the group, x a block of its row sums then of its column sums. A sum over a
+// contiguous axis takes a warp (lane j adds elements j, j + 32, ... then a fixed butterfly), a sum
+// over a strided axis a thread (adjacent threads read adjacent elements); either way in a fixed
+// order, written once (no atomics). Reads the gradient twice.
+__host__ __device__ __forceinline__ uint64_t ordered_sum_blocks(uint64_t count, uint64_t inner) {
+    const uint64_t per_block = inner == 1 ? WARPS : THREADS;
+    return (count + per_block - 1) / per_block;
+}
+
+__device__ __forceinline__ void ordered_square_sums(const float* __restrict__ g, float* __restrict__ sums,
+                                                    uint64_t count, uint64_t inner, uint64_t outer, uint64_t block) {
+    if (inner == 1) {
+        const uint64_t o = block * WARPS + (threadIdx.x >> 5), len = outer;
+        if (o >= count) return;  // warp-uniform
+        const float* src = g + o * outer;
+        float sum = 0.0f;
+        for (uint64_t k = threadIdx.x & 31; k < len; k += 32) sum = fmaf(src[k], src[k], sum);
+        sum = warp_sum(sum);
+        if ((threadIdx.x & 31) == 0) sums[o] = sum;
+    } else {
+        const uint64_t o = block * THREADS + threadIdx.x;
+        if (o < count) sums[o] = ordered_axis_sum(g, o, inner, outer, true);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
     lopt_square_sums_ordered(const LoptMeta* __restrict__ meta, uint32_t first, StepTensors ptrs, Buffers buf) {
     const LoptMeta& m = meta[first + blockIdx.y];
     const float* __restrict__ g = ptrs.grad[blockIdx.y];
     if (!m.factored || g == nullptr) return;
-    const uint64_t o = static_cast<uint64_t>(blockIdx.x) * THREADS + threadIdx.x;
-    if (o < m.rows) {
-        buf.row_sum[m.row_sum + o] = ordered_axis_sum(g, o, m.inner0.d, m.outer0.d, true);
-    } else if (o < m.rows + m.cols) {
-        const uint64_t c = o - m.rows;
-        buf.col_sum[m.col_sum + c] = ordered_axis_sum(g, c, m.inner1.d, m.outer1.d, true);
+    const uint64_t row_blocks = ordered_sum_blocks(m.rows, m.inner0.d);
+    if (blockIdx.x < row_blocks) {
+        ordered_square_sums(g, buf.row_sum + m.row_sum, m.rows, m.inner0.d, m.outer0.d, blockIdx.x);
+    } else {
+        ordered_square_sums(g, buf.col_sum + m.col_sum, m.cols, m.inner1.d, m.outer1.d, blockIdx.x - row_blocks);
     }
 }
 

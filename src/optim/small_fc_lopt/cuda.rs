@@ -200,8 +200,8 @@ struct Group {
     chunked_matrices: bool,
     /// Whether any tensor of the group is a matrix.
     matrices: bool,
-    /// The most rows + columns of a matrix of the group.
-    max_row_col: usize,
+    /// The most blocks a matrix of the group takes in `lopt_square_sums_ordered`.
+    ordered_blocks: usize,
     /// u32 `[count + 1]`: tensor `first + i`'s chunks are `chunk_starts[i]..chunk_starts[i + 1]`.
     chunk_starts: Tensor,
 }
@@ -244,6 +244,19 @@ enum Locked {
     Mlp,
 }
 const FIXED_LOCKED: usize = Locked::Mlp as usize + 1;
+
+/// The blocks of `lopt_square_sums_ordered` for a matrix: its row sums, then its column sums,
+/// a warp per sum over a contiguous axis and a thread per sum over a strided one.
+fn ordered_sum_blocks(meta: &LoptMeta) -> usize {
+    let blocks = |count: u64, inner: &Divisor| {
+        let per_block = if inner.d == 1 { THREADS / 32 } else { THREADS };
+        count.div_ceil(per_block as u64) as usize
+    };
+    if meta.factored == 0 {
+        return 0;
+    }
+    blocks(meta.rows, &meta.inner0) + blocks(meta.cols, &meta.inner1)
+}
 
 /// Uploads `items` (padding-free repr(C) structs) as a u32 tensor.
 fn upload<T: bytemuck::Pod>(items: &[T], dev: &Device) -> Result<Tensor> {
@@ -379,8 +392,9 @@ impl DeviceState {
                 let last = *chunk_starts.last().unwrap_or(&0);
                 chunk_starts.push(last + slot.n.div_ceil(CHUNK) as u32);
             }
-            let max_row_col = (first..first + count)
-                .map(|t| (metas[t].rows + metas[t].cols) as usize)
+            let ordered_blocks = metas[first..first + count]
+                .iter()
+                .map(ordered_sum_blocks)
                 .max()
                 .unwrap_or(0);
             max_chunks = max_chunks.max(chunks.len());
@@ -393,7 +407,7 @@ impl DeviceState {
                 chunked_matrices: (first..first + count)
                     .any(|t| metas[t].factored != 0 && metas[t].tiled == 0),
                 matrices: (first..first + count).any(|t| metas[t].factored != 0),
-                max_row_col,
+                ordered_blocks,
                 chunk_starts: upload(&chunk_starts, dev)?,
                 tiles: upload(&tiles, dev)?,
             });
@@ -579,7 +593,7 @@ impl DeviceState {
             // factor and scratch buffers were sized from the same table.
             unsafe {
                 if backend.deterministic && group.matrices {
-                    let blocks_x = group.max_row_col.div_ceil(THREADS as usize);
+                    let blocks_x = group.ordered_blocks;
                     if blocks_x > i32::MAX as usize {
                         bail!("{OP}: a matrix has too many rows and columns");
                     }
