@@ -440,13 +440,36 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         // and the row accumulators are all written.
         flush_sums(feature_sq, partial, buf.feat_sum + (first + i) * FEATURES);
         if (deterministic) {
-            for (uint64_t b = threadIdx.x; b < m.batches; b += THREADS) {
+            const uint64_t inner = m.row_inner1.d, outer = m.row_outer1.d, len = outer / inner;
+            if (len >= 4 * THREADS && m.batches <= 64) {
+                // Few long sums: the block takes each, thread t adding elements t, t + THREADS,
+                // ..., then the warps' sums in warp order.
+                for (uint64_t b = 0; b < m.batches; ++b) {
+                    const uint64_t q = b / inner, base = q * outer + (b - q * inner);
+                    for (int k = 0; k < 3; ++k) {
+                        const float* src = row + k * m.rows + base;
+                        float sum = 0.0f;
+                        for (uint64_t j = threadIdx.x; j < len; j += THREADS) sum += src[j * inner];
+                        sum = warp_sum(sum);
+                        if (lane == 0) partial[threadIdx.x >> 5][0] = sum;
+                        __syncthreads();
+                        if (threadIdx.x == 0) {
+                            float total = 0.0f;
+                            for (int w = 0; w < WARPS; ++w) total += partial[w][0];
+                            buf.batch_sum[m.batch + k * m.batches + b] = total;
+                        }
+                        __syncthreads();
+                    }
+                }
+            } else {
+                for (uint64_t b = threadIdx.x; b < m.batches; b += THREADS) {
 #pragma unroll
-                for (int k = 0; k < 3; ++k)
-                    buf.batch_sum[m.batch + k * m.batches + b] =
-                        ordered_axis_sum(row + k * m.rows, b, m.row_inner1.d, m.row_outer1.d, false);
+                    for (int k = 0; k < 3; ++k)
+                        buf.batch_sum[m.batch + k * m.batches + b] =
+                            ordered_axis_sum(row + k * m.rows, b, inner, outer, false);
+                }
+                __syncthreads();
             }
-            __syncthreads();
         }
         for (uint64_t r = threadIdx.x; r < m.rows; r += THREADS) {
             const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
