@@ -180,8 +180,8 @@ for k in bias_add softmax sparse_linear lopt_ masked_bmm argmin_matmul span_matm
     filter+=(--kernel-name "kns=$k")
 done
 export FASTOPS_TEST_LIGHT=1
-# SAN_SPLIT="f1 f2 ..." runs each tool once per test-name filter (side by side), for a tool too
-# slow over a whole binary inside one command's time limit.
+# SAN_SPLIT="f1 f2 ..." runs each tool over test-ops once per test-name filter (side by side), for
+# a tool too slow over the whole binary inside one command's time limit.
 run_tool() {
     local tool=$1 t=$2 filter_arg=${3:-} name log extra=()
     name=$(basename "$t")${filter_arg:+-${filter_arg//:/}}
@@ -199,7 +199,7 @@ run_tool() {
 : > "$out/sanitize.txt"
 for tool in $tools; do
     for t in "$work"/test-*; do
-        if [ -n "${SAN_SPLIT:-}" ]; then
+        if [ -n "${SAN_SPLIT:-}" ] && [ "$(basename "$t")" = test-ops ]; then
             for f in $SAN_SPLIT; do run_tool "$tool" "$t" "$f" >> "$out/sanitize.txt" & done
         else
             run_tool "$tool" "$t" >> "$out/sanitize.txt" &
