@@ -58,6 +58,7 @@
 //!
 //! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
 
+mod attention;
 mod bias_add;
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -72,6 +73,10 @@ mod softmax;
 mod sparse_linear;
 mod tile_summary;
 
+pub use attention::{
+    masked_attention, masked_attention_with, masked_attention_with_lse, AttentionMask,
+    AttentionOptions,
+};
 pub use bias_add::{bias_add, bias_add_};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};

@@ -4,6 +4,8 @@
 
 mod common;
 
+mod attention;
+
 mod bias_add;
 mod matmul;
 mod matmul_f32_modes;

@@ -1,0 +1,473 @@
+//! The CPU attention: FlashAttention-2's tiled algorithm over contiguous copies of q, k and v
+//! in the accumulator type, with rayon over (batch, head, query tile) for the forward and the
+//! query gradient, and over (batch, kv head, key tile) for the key and value gradients. Products
+//! of tiles go through the `gemm` crate; no `m x n` buffer exists, only a `ROWS x COLS` tile of
+//! scores per task. Empty tiles are skipped, full tiles are not masked element by element.
+
+use super::mask::{generated_tile_state, generated_visible, Kind, TileData};
+use super::Problem;
+use crate::matmul::core::CpuGemm;
+use crate::tile_summary::{TILE_EMPTY, TILE_FULL, TILE_PARTIAL};
+use rayon::prelude::*;
+
+/// Query rows and keys per tile.
+pub(super) const ROWS: usize = 64;
+pub(super) const COLS: usize = 64;
+
+/// `dst[m x n] (row-major) = (dst if accumulate) + lhs . rhs`, where `lhs` is `m x k` with
+/// element `(r, c)` at `lhs.0[r * lhs.1 + c * lhs.2]` and `rhs` is `k x n` likewise.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<A: CpuGemm>(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [A],
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(A::zero());
+        }
+        return;
+    }
+    let last = |(s, rs, cs): (&[A], usize, usize), rows: usize, cols: usize| {
+        assert!(
+            (rows - 1) * rs + (cols - 1) * cs < s.len(),
+            "attention: tile outside its buffer"
+        );
+    };
+    last(lhs, m, k);
+    last(rhs, k, n);
+    assert!(dst.len() >= m * n, "attention: tile outside its buffer");
+    // SAFETY: every element read or written lies inside its slice (checked above).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            A::one(),
+            A::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The mask of one (batch entry, head) as the CPU reads it.
+pub(super) enum HeadMask<'a> {
+    Generated {
+        kind: &'a Kind,
+        offset: i64,
+    },
+    Documents {
+        ids: &'a [i64],
+        causal: bool,
+        rows: &'a [(i64, i64)],
+        cols: &'a [(i64, i64)],
+    },
+    Dense {
+        mask: &'a [u8],
+        base: usize,
+        row_stride: usize,
+        col_stride: usize,
+        states: &'a [u8],
+        col_tiles: usize,
+    },
+}
+
+impl HeadMask<'_> {
+    /// The state of query tile `qt` against key tile `kt`.
+    fn tile_state(&self, qt: usize, kt: usize, m: usize, n: usize) -> u8 {
+        let rows = qt * ROWS..((qt + 1) * ROWS).min(m);
+        let cols = kt * COLS..((kt + 1) * COLS).min(n);
+        match self {
+            HeadMask::Generated { kind, offset } => generated_tile_state(kind, rows, cols, *offset),
+            HeadMask::Documents {
+                causal,
+                rows: row_ranges,
+                cols: col_ranges,
+                ..
+            } => {
+                let ((qmin, qmax), (kmin, kmax)) = (row_ranges[qt], col_ranges[kt]);
+                let order = if *causal {
+                    generated_tile_state(&Kind::Causal, rows, cols, 0)
+                } else {
+                    TILE_FULL
+                };
+                if qmax < kmin || kmax < qmin || order == TILE_EMPTY {
+                    TILE_EMPTY
+                } else if qmin == qmax && kmin == kmax && qmin == kmin && order == TILE_FULL {
+                    TILE_FULL
+                } else {
+                    TILE_PARTIAL
+                }
+            }
+            HeadMask::Dense {
+                states, col_tiles, ..
+            } => states[qt * col_tiles + kt],
+        }
+    }
+
+    /// Whether query `i` sees key `j` (inside a partial tile).
+    #[inline]
+    fn visible(&self, i: usize, j: usize) -> bool {
+        match self {
+            HeadMask::Generated { kind, offset } => generated_visible(kind, i, j, *offset),
+            HeadMask::Documents { ids, causal, .. } => ids[i] == ids[j] && (!causal || j <= i),
+            HeadMask::Dense {
+                mask,
+                base,
+                row_stride,
+                col_stride,
+                ..
+            } => mask[base + i * row_stride + j * col_stride] != 0,
+        }
+    }
+}
+
+/// The masks of every (batch entry, head) of a problem.
+pub(super) struct CpuMask<'a> {
+    pub kind: &'a Kind,
+    pub tiles: Option<&'a TileData>,
+    /// A dense mask: its bytes, start, strides `[batch, head, row, col]`, its batch and head
+    /// counts (1 when broadcast), and its tile states `[mb * mh, row_tiles, col_tiles]`.
+    pub dense: Option<DenseBytes<'a>>,
+}
+
+pub(super) struct DenseBytes<'a> {
+    pub mask: &'a [u8],
+    pub start: usize,
+    pub strides: [usize; 4],
+    pub batch: usize,
+    pub heads: usize,
+    pub states: &'a [u8],
+}
+
+impl CpuMask<'_> {
+    fn head(&self, p: &Problem, b: usize, h: usize) -> HeadMask<'_> {
+        match (self.kind, self.tiles, &self.dense) {
+            (
+                Kind::Documents {
+                    ids, seq, causal, ..
+                },
+                Some(TileData::DocRanges { rows, cols }),
+                _,
+            ) => {
+                let (rt, ct) = (seq.div_ceil(ROWS), seq.div_ceil(COLS));
+                HeadMask::Documents {
+                    ids: &ids[b * seq..(b + 1) * seq],
+                    causal: *causal,
+                    rows: &rows[b * rt..(b + 1) * rt],
+                    cols: &cols[b * ct..(b + 1) * ct],
+                }
+            }
+            (Kind::Dense { .. }, _, Some(d)) => {
+                let (bi, hi) = (
+                    if d.batch == 1 { 0 } else { b },
+                    if d.heads == 1 { 0 } else { h },
+                );
+                let (rt, ct) = (p.m.div_ceil(ROWS), p.n.div_ceil(COLS));
+                let at = (bi * d.heads + hi) * rt * ct;
+                HeadMask::Dense {
+                    mask: d.mask,
+                    base: d.start + bi * d.strides[0] + hi * d.strides[1],
+                    row_stride: d.strides[2],
+                    col_stride: d.strides[3],
+                    states: &d.states[at..at + rt * ct],
+                    col_tiles: ct,
+                }
+            }
+            (kind, _, _) => HeadMask::Generated {
+                kind,
+                offset: p.n as i64 - p.m as i64,
+            },
+        }
+    }
+}
+
+/// The scores of one tile: `s[r x c] = scale * q_rows . k_colsᵀ`, masked to `-inf` where the
+/// query does not see the key (partial tiles only).
+#[allow(clippy::too_many_arguments)]
+fn tile_scores<A: CpuGemm>(
+    s: &mut [A],
+    q: &[A],
+    k: &[A],
+    (r, c, d): (usize, usize, usize),
+    scale: A,
+    mask: &HeadMask<'_>,
+    partial: bool,
+    (i0, j0): (usize, usize),
+) {
+    gemm_into((r, c, d), s, (q, d, 1), (k, 1, d), false);
+    for (ri, row) in s[..r * c].chunks_mut(c).enumerate() {
+        for (cj, x) in row.iter_mut().enumerate() {
+            *x = if partial && !mask.visible(i0 + ri, j0 + cj) {
+                A::neg_infinity()
+            } else {
+                *x * scale
+            };
+        }
+    }
+}
+
+/// Forward of every (batch entry, head): `out` `[b, h, m, dv]` and `lse` `[b, h, m]` (natural
+/// log; `-inf` for a query that sees no key, whose output row is zero). `q` `[b, h, m, d]`, `k`
+/// `[b, hk, n, d]`, `v` `[b, hk, n, dv]`, contiguous.
+pub(super) fn forward<A: CpuGemm>(
+    p: &Problem,
+    mask: &CpuMask<'_>,
+    (q, k, v): (&[A], &[A], &[A]),
+    out: &mut [A],
+    lse: &mut [f64],
+) {
+    let (m, n, d, dv) = (p.m, p.n, p.d, p.dv);
+    if m == 0 {
+        return;
+    }
+    let scale = A::from(p.scale).unwrap_or_else(A::one);
+    let group = p.heads / p.kv_heads;
+    out.par_chunks_mut(m * dv.max(1))
+        .zip(lse.par_chunks_mut(m))
+        .enumerate()
+        .for_each(|(bh, (out, lse))| {
+            let (b, h) = (bh / p.heads, bh % p.heads);
+            let hk = h / group;
+            let head = mask.head(p, b, h);
+            let q = &q[bh * m * d..(bh + 1) * m * d];
+            let kv = b * p.kv_heads + hk;
+            let (k, v) = (
+                &k[kv * n * d..(kv + 1) * n * d],
+                &v[kv * n * dv..(kv + 1) * n * dv],
+            );
+            out.par_chunks_mut(ROWS * dv.max(1))
+                .zip(lse.par_chunks_mut(ROWS))
+                .enumerate()
+                .for_each(|(qt, (out, lse))| {
+                    let i0 = qt * ROWS;
+                    let r = lse.len();
+                    let q = &q[i0 * d..(i0 + r) * d];
+                    let mut s = vec![A::zero(); r * COLS];
+                    let mut max = vec![A::neg_infinity(); r];
+                    let mut sum = vec![A::zero(); r];
+                    let mut acc = vec![A::zero(); r * dv];
+                    for kt in 0..n.div_ceil(COLS) {
+                        let state = head.tile_state(qt, kt, m, n);
+                        if state == TILE_EMPTY {
+                            continue;
+                        }
+                        let j0 = kt * COLS;
+                        let c = COLS.min(n - j0);
+                        let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
+                        let partial = state != TILE_FULL;
+                        tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
+                        for ri in 0..r {
+                            let row = &mut s[ri * c..(ri + 1) * c];
+                            let tile_max = row.iter().fold(A::neg_infinity(), |a, &x| a.max(x));
+                            let new_max = max[ri].max(tile_max);
+                            if new_max == A::neg_infinity() {
+                                row.fill(A::zero());
+                                continue;
+                            }
+                            let alpha = (max[ri] - new_max).exp();
+                            let mut total = A::zero();
+                            for x in row.iter_mut() {
+                                *x = (*x - new_max).exp();
+                                total = total + *x;
+                            }
+                            sum[ri] = sum[ri] * alpha + total;
+                            max[ri] = new_max;
+                            for a in &mut acc[ri * dv..(ri + 1) * dv] {
+                                *a = *a * alpha;
+                            }
+                        }
+                        gemm_into((r, dv, c), &mut acc, (&s, c, 1), (vt, dv, 1), true);
+                    }
+                    for ri in 0..r {
+                        let row = &mut out[ri * dv..(ri + 1) * dv];
+                        if sum[ri] > A::zero() {
+                            let inv = A::one() / sum[ri];
+                            for (o, &a) in row.iter_mut().zip(&acc[ri * dv..(ri + 1) * dv]) {
+                                *o = a * inv;
+                            }
+                            lse[ri] = (max[ri] + sum[ri].ln()).to_f64().unwrap_or(f64::NAN);
+                        } else {
+                            row.fill(A::zero());
+                            lse[ri] = f64::NEG_INFINITY;
+                        }
+                    }
+                });
+        });
+}
+
+/// The probabilities of a tile recomputed from the saved log-sum-exp: `s` holds the masked
+/// scores on entry and `exp(s - lse)` on return (0 for masked entries and for rows that see no
+/// key).
+fn probabilities<A: CpuGemm>(s: &mut [A], c: usize, lse: &[f64]) {
+    for (row, &l) in s.chunks_mut(c).zip(lse) {
+        if l == f64::NEG_INFINITY {
+            row.fill(A::zero());
+            continue;
+        }
+        let l = A::from(l).unwrap_or_else(A::zero);
+        for x in row.iter_mut() {
+            *x = (*x - l).exp();
+        }
+    }
+}
+
+/// Inputs of the backward, contiguous in the accumulator type: the forward's inputs, its output
+/// and log-sum-exp, and the output's gradient.
+pub(super) struct Saved<'a, A> {
+    pub q: &'a [A],
+    pub k: &'a [A],
+    pub v: &'a [A],
+    pub out: &'a [A],
+    pub lse: &'a [f64],
+    pub grad_out: &'a [A],
+}
+
+/// `dq` `[b, h, m, d]`, `dk` `[b, hk, n, d]` and `dv` `[b, hk, n, dv]` (written completely).
+pub(super) fn backward<A: CpuGemm>(
+    p: &Problem,
+    mask: &CpuMask<'_>,
+    x: &Saved<'_, A>,
+    (dq, dk, dv_out): (&mut [A], &mut [A], &mut [A]),
+) {
+    let (m, n, d, dv) = (p.m, p.n, p.d, p.dv);
+    let scale = A::from(p.scale).unwrap_or_else(A::one);
+    let group = p.heads / p.kv_heads;
+    // delta[i] = rowsum(dO[i] * O[i]) for every query row.
+    let rows = p.batch * p.heads * m;
+    let delta: Vec<A> = (0..rows)
+        .into_par_iter()
+        .map(|row| {
+            let (o, g) = (
+                &x.out[row * dv..(row + 1) * dv],
+                &x.grad_out[row * dv..(row + 1) * dv],
+            );
+            o.iter().zip(g).fold(A::zero(), |acc, (&o, &g)| acc + o * g)
+        })
+        .collect();
+    // The query gradient: a task per (batch entry, head, query tile).
+    if m > 0 && d > 0 {
+        dq.par_chunks_mut(m * d).enumerate().for_each(|(bh, dq)| {
+            let (b, h) = (bh / p.heads, bh % p.heads);
+            let kv = b * p.kv_heads + h / group;
+            let head = mask.head(p, b, h);
+            let k = &x.k[kv * n * d..(kv + 1) * n * d];
+            let v = &x.v[kv * n * dv..(kv + 1) * n * dv];
+            dq.par_chunks_mut(ROWS * d)
+                .enumerate()
+                .for_each(|(qt, dq)| {
+                    let i0 = qt * ROWS;
+                    let r = dq.len() / d;
+                    let row0 = bh * m + i0;
+                    let q = &x.q[row0 * d..(row0 + r) * d];
+                    let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
+                    let lse = &x.lse[row0..row0 + r];
+                    let delta = &delta[row0..row0 + r];
+                    dq.fill(A::zero());
+                    let (mut s, mut dp) = (vec![A::zero(); r * COLS], vec![A::zero(); r * COLS]);
+                    for kt in 0..n.div_ceil(COLS) {
+                        let state = head.tile_state(qt, kt, m, n);
+                        if state == TILE_EMPTY {
+                            continue;
+                        }
+                        let j0 = kt * COLS;
+                        let c = COLS.min(n - j0);
+                        let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
+                        let partial = state != TILE_FULL;
+                        tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
+                        probabilities(&mut s[..r * c], c, lse);
+                        // dP = dO . Vᵀ, dS = P * (dP - delta).
+                        gemm_into((r, c, dv), &mut dp, (go, dv, 1), (vt, 1, dv), false);
+                        for ((dp, s), &delta) in dp.chunks_mut(c).zip(s.chunks(c)).zip(delta) {
+                            for (dp, &p) in dp.iter_mut().zip(s) {
+                                *dp = p * (*dp - delta);
+                            }
+                        }
+                        gemm_into((r, d, c), dq, (&dp, c, 1), (kt_, d, 1), true);
+                    }
+                    for g in dq.iter_mut() {
+                        *g = *g * scale;
+                    }
+                });
+        });
+    }
+    // The key and value gradients: a task per (batch entry, kv head, key tile), over the query
+    // heads of its group.
+    let kv_heads = p.batch * p.kv_heads;
+    let dk_len = n * d;
+    let dv_len = n * dv;
+    dk.par_chunks_mut(dk_len.max(1))
+        .zip(dv_out.par_chunks_mut(dv_len.max(1)))
+        .take(kv_heads)
+        .enumerate()
+        .for_each(|(kvh, (dk, dvv))| {
+            let (b, hk) = (kvh / p.kv_heads, kvh % p.kv_heads);
+            let k = &x.k[kvh * n * d..(kvh + 1) * n * d];
+            let v = &x.v[kvh * n * dv..(kvh + 1) * n * dv];
+            let mut dk_tiles: Vec<&mut [A]> = dk.chunks_mut(COLS * d).collect();
+            let mut dv_tiles: Vec<&mut [A]> = dvv.chunks_mut(COLS * dv).collect();
+            dk_tiles
+                .par_iter_mut()
+                .zip(dv_tiles.par_iter_mut())
+                .enumerate()
+                .for_each(|(kt, (dk, dvv))| {
+                    let j0 = kt * COLS;
+                    let c = COLS.min(n - j0);
+                    dk.fill(A::zero());
+                    dvv.fill(A::zero());
+                    let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
+                    let (mut s, mut dp) = (vec![A::zero(); ROWS * c], vec![A::zero(); ROWS * c]);
+                    let mut st = vec![A::zero(); c * ROWS];
+                    for h in hk * group..(hk + 1) * group {
+                        let bh = b * p.heads + h;
+                        let head = mask.head(p, b, h);
+                        for qt in 0..m.div_ceil(ROWS) {
+                            let state = head.tile_state(qt, kt, m, n);
+                            if state == TILE_EMPTY {
+                                continue;
+                            }
+                            let i0 = qt * ROWS;
+                            let r = ROWS.min(m - i0);
+                            let row0 = bh * m + i0;
+                            let q = &x.q[row0 * d..(row0 + r) * d];
+                            let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
+                            let partial = state != TILE_FULL;
+                            tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
+                            probabilities(&mut s[..r * c], c, &x.lse[row0..row0 + r]);
+                            // dV += Pᵀ . dO
+                            gemm_into((c, dv, r), dvv, (&s, 1, c), (go, dv, 1), true);
+                            // dS = P * (dO . Vᵀ - delta); dK += dSᵀ . Q
+                            gemm_into((r, c, dv), &mut dp, (go, dv, 1), (vt, 1, dv), false);
+                            for ri in 0..r {
+                                for cj in 0..c {
+                                    let at = ri * c + cj;
+                                    st[cj * r + ri] = s[at] * (dp[at] - delta[row0 + ri]);
+                                }
+                            }
+                            gemm_into((c, d, r), dk, (&st, r, 1), (q, d, 1), true);
+                        }
+                    }
+                    for g in dk.iter_mut() {
+                        *g = *g * scale;
+                    }
+                });
+        });
+}

@@ -1,0 +1,304 @@
+//! Attention masks: which key a query sees, per tile and per element.
+//!
+//! Generated masks (full, causal, sliding window) are formulas of the query and key positions;
+//! document masks compare per-token ids; dense masks are u8 tensors. Tile states (empty /
+//! partial / full) come from the formulas, from per-tile ranges of the document ids, or from the
+//! tile summary of a dense mask. The per-tile data of document and dense masks is computed on the
+//! first call that needs it for a tile size and shape, and kept in the mask (shared by its
+//! clones), so a mask built once and passed to every layer and step is summarised once.
+
+use crate::tile_summary::{TILE_EMPTY, TILE_FULL, TILE_PARTIAL};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::OP;
+
+/// Which keys each query of [`masked_attention`](super::masked_attention) sees.
+///
+/// Causal and sliding-window masks are aligned to the bottom right (as FlashAttention 2.1 and
+/// later): with `m` queries and `n` keys, query `i` sits at position `i + n - m`, so `m < n`
+/// serves decoding with a key/value cache. A query that sees no key gets a zero output, a
+/// log-sum-exp of `-inf` and zero gradients.
+///
+/// Clones share the mask's cached tile summaries: build a mask once and reuse it.
+///
+/// ```
+/// use candle_fastops::AttentionMask;
+/// let causal = AttentionMask::causal();
+/// let local = AttentionMask::sliding_window(256);
+/// assert!(causal.is_generated() && local.is_generated());
+/// ```
+#[derive(Debug, Clone)]
+pub struct AttentionMask {
+    kind: Kind,
+    /// Per tile size and shape: the summary of a dense mask or the id ranges of documents.
+    tiles: Arc<Mutex<HashMap<TileKey, Arc<TileData>>>>,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum Kind {
+    Full,
+    Causal,
+    /// Causal and `(i + n - m) - j < window`.
+    Window(usize),
+    /// `ids` as i64 on the CPU, `[batch, seq]`.
+    Documents {
+        ids: Arc<Vec<i64>>,
+        batch: usize,
+        seq: usize,
+        causal: bool,
+    },
+    /// u8 `[mb, mh, m, n]` (mb, mh 1 when broadcast), as given, on its device.
+    Dense {
+        mask: Tensor,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct TileKey {
+    rows: usize,
+    cols: usize,
+    m: usize,
+    n: usize,
+    cpu: bool,
+}
+
+/// Per-tile data of a document or dense mask for one tile size.
+#[derive(Debug)]
+pub(super) enum TileData {
+    /// Per batch entry, per row tile then per column tile: (min, max) of the ids.
+    DocRanges {
+        rows: Vec<(i64, i64)>,
+        cols: Vec<(i64, i64)>,
+    },
+    /// u8 `[mb * mh, row_tiles, col_tiles]` tile states.
+    DenseStates(Tensor),
+}
+
+impl AttentionMask {
+    fn new(kind: Kind) -> Self {
+        Self {
+            kind,
+            tiles: Arc::default(),
+        }
+    }
+
+    /// Every query sees every key.
+    pub fn full() -> Self {
+        Self::new(Kind::Full)
+    }
+
+    /// Key `j` is visible to query `i` iff `j <= i + (n - m)`.
+    pub fn causal() -> Self {
+        Self::new(Kind::Causal)
+    }
+
+    /// Causal, and key `j` is visible to query `i` only when `(i + n - m) - j < window`: each
+    /// query sees itself and the `window - 1` keys before it. A window of 0 hides every key.
+    pub fn sliding_window(window: usize) -> Self {
+        Self::new(Kind::Window(window))
+    }
+
+    /// Packed documents: `ids` is `[batch, seq]` (u32 or i64), query `i` sees key `j` iff
+    /// `ids[b, i] == ids[b, j]` (and `j <= i` when `causal`). Needs `m == n == seq`. The ids are
+    /// read to the host once, here.
+    pub fn documents(ids: &Tensor, causal: bool) -> Result<Self> {
+        let (batch, seq) = match ids.dims() {
+            &[b, s] => (b, s),
+            dims => bail!("{OP}: document ids must be [batch, seq], got shape {dims:?}"),
+        };
+        let ids = match ids.dtype() {
+            DType::U32 | DType::I64 => ids
+                .to_dtype(DType::I64)?
+                .flatten_all()?
+                .to_device(&Device::Cpu)?
+                .to_vec1::<i64>()?,
+            dtype => bail!("{OP}: document ids must be u32 or i64, got {dtype:?}"),
+        };
+        Ok(Self::new(Kind::Documents {
+            ids: Arc::new(ids),
+            batch,
+            seq,
+            causal,
+        }))
+    }
+
+    /// A dense u8 mask, nonzero = keep: `[m, n]` (every batch entry and head), `[batch, m, n]`
+    /// (every head) or `[batch, heads, m, n]`. Read in place on its device (any strides); it must
+    /// be on the device of the queries.
+    pub fn dense(mask: &Tensor) -> Result<Self> {
+        if mask.dtype() != DType::U8 {
+            bail!("{OP}: a dense mask must be u8, got {:?}", mask.dtype());
+        }
+        let mask = match mask.rank() {
+            2 => mask.unsqueeze(0)?.unsqueeze(0)?,
+            3 => mask.unsqueeze(1)?,
+            4 => mask.clone(),
+            _ => bail!(
+                "{OP}: a dense mask must be [m, n], [batch, m, n] or [batch, heads, m, n], got shape {:?}",
+                mask.dims()
+            ),
+        };
+        Ok(Self::new(Kind::Dense { mask }))
+    }
+
+    /// Whether the mask is computed from positions alone (full, causal, sliding window): no
+    /// tensor is read for it.
+    pub fn is_generated(&self) -> bool {
+        matches!(self.kind, Kind::Full | Kind::Causal | Kind::Window(_))
+    }
+
+    pub(super) fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    /// Checks the mask against a problem of `batch` entries, `heads` query heads, `m` queries and
+    /// `n` keys on `device`.
+    pub(super) fn check(
+        &self,
+        batch: usize,
+        heads: usize,
+        m: usize,
+        n: usize,
+        device: &Device,
+    ) -> Result<()> {
+        match &self.kind {
+            Kind::Full | Kind::Causal | Kind::Window(_) => Ok(()),
+            Kind::Documents {
+                batch: b, seq: s, ..
+            } => {
+                if *b != batch || *s != m || *s != n {
+                    bail!(
+                        "{OP}: document ids are [{b}, {s}] but the queries are [{batch}, _, {m}, _] and the keys [{batch}, _, {n}, _] (documents need m == n == seq)"
+                    );
+                }
+                Ok(())
+            }
+            Kind::Dense { mask } => {
+                let (mb, mh, mm, mn) = mask.dims4()?;
+                if (mb != 1 && mb != batch) || (mh != 1 && mh != heads) || mm != m || mn != n {
+                    bail!(
+                        "{OP}: dense mask of shape {:?} does not fit batch {batch}, heads {heads}, m {m}, n {n}",
+                        mask.dims()
+                    );
+                }
+                if !mask.device().same_device(device) {
+                    bail!(
+                        "{OP}: the dense mask is on {:?}, the queries on {:?}",
+                        mask.device().location(),
+                        device.location()
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The per-tile data for tiles of `rows x cols` over an `m x n` problem (document and dense
+    /// masks; `None` for generated ones), computed once and cached.
+    pub(super) fn tile_data(
+        &self,
+        rows: usize,
+        cols: usize,
+        m: usize,
+        n: usize,
+        cpu: bool,
+    ) -> Result<Option<Arc<TileData>>> {
+        if self.is_generated() {
+            return Ok(None);
+        }
+        let key = TileKey {
+            rows,
+            cols,
+            m,
+            n,
+            cpu,
+        };
+        let mut tiles = self
+            .tiles
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: the mask's cache is poisoned")))?;
+        if let Some(data) = tiles.get(&key) {
+            return Ok(Some(data.clone()));
+        }
+        let data = Arc::new(match &self.kind {
+            Kind::Documents {
+                ids, batch, seq, ..
+            } => {
+                let ranges = |tile: usize| -> Vec<(i64, i64)> {
+                    let tiles = seq.div_ceil(tile);
+                    (0..*batch)
+                        .flat_map(|b| (0..tiles).map(move |t| (b, t)))
+                        .map(|(b, t)| {
+                            let row = &ids[b * seq..][t * tile..((t + 1) * tile).min(*seq)];
+                            let min = row.iter().copied().min().unwrap_or(0);
+                            let max = row.iter().copied().max().unwrap_or(0);
+                            (min, max)
+                        })
+                        .collect()
+                };
+                TileData::DocRanges {
+                    rows: ranges(rows),
+                    cols: ranges(cols),
+                }
+            }
+            Kind::Dense { mask } => {
+                let (mb, mh, mm, mn) = mask.dims4()?;
+                let flat = mask.reshape((mb * mh, mm, mn))?;
+                TileData::DenseStates(crate::tile_summary::tile_summary(&flat, rows, cols)?)
+            }
+            _ => unreachable!("generated masks return above"),
+        });
+        tiles.insert(key, data.clone());
+        Ok(Some(data))
+    }
+}
+
+/// The state of the tile of query rows `rows` and keys `cols` under a generated mask, with
+/// `offset = n - m` (query `i` at position `i + offset`).
+pub(super) fn generated_tile_state(
+    kind: &Kind,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    offset: i64,
+) -> u8 {
+    let (i0, i1) = (rows.start as i64 + offset, rows.end as i64 - 1 + offset);
+    let (j0, j1) = (cols.start as i64, cols.end as i64 - 1);
+    match kind {
+        Kind::Full => TILE_FULL,
+        Kind::Causal => {
+            if j0 > i1 {
+                TILE_EMPTY
+            } else if j1 <= i0 {
+                TILE_FULL
+            } else {
+                TILE_PARTIAL
+            }
+        }
+        Kind::Window(w) => {
+            let w = *w as i64;
+            // Visible: i - w < j <= i.
+            if j0 > i1 || j1 <= i0 - w {
+                TILE_EMPTY
+            } else if j1 <= i0 && j0 > i1 - w {
+                TILE_FULL
+            } else {
+                TILE_PARTIAL
+            }
+        }
+        _ => TILE_PARTIAL,
+    }
+}
+
+/// Whether query `i` sees key `j` under a generated mask with `offset = n - m`.
+#[inline]
+pub(super) fn generated_visible(kind: &Kind, i: usize, j: usize, offset: i64) -> bool {
+    let (pos, j) = (i as i64 + offset, j as i64);
+    match kind {
+        Kind::Full => true,
+        Kind::Causal => j <= pos,
+        Kind::Window(w) => j <= pos && pos - j < *w as i64,
+        _ => true,
+    }
+}

@@ -1,0 +1,394 @@
+//! Trainable attention with arbitrary masks: `softmax(scale * q kᵀ + mask) v`, FlashAttention-2's
+//! tiled algorithm (online softmax, no `m x n` buffer), with tiles the mask hides skipped and
+//! tiles it keeps whole taken without per-element masking.
+//!
+//! The CPU path (rayon, the `gemm` crate for tile products) is complete, forward and backward.
+//! The CUDA kernels are not written yet: on a GPU these functions return an error saying so.
+
+mod cpu;
+mod mask;
+
+pub use mask::AttentionMask;
+
+use crate::cpu::CpuFloat;
+use crate::matmul::core::CpuGemm;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use std::sync::{Arc, Mutex};
+
+const OP: &str = "masked_attention";
+/// The largest head dimension.
+const MAX_HEAD_DIM: usize = 256;
+
+/// Modes of [`masked_attention_with`]; `Default` is what [`masked_attention`] uses, apart from
+/// its `scale`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AttentionOptions {
+    /// The factor of the scores; `None` is `1 / sqrt(d)`.
+    pub scale: Option<f64>,
+    /// How f32 inputs are multiplied on CUDA (`None`: [`crate::f32_matmul`]). The CPU computes
+    /// f32 in f32 and f64 in f64 whatever this says.
+    pub f32_mode: Option<crate::F32Matmul>,
+    /// Bit-reproducible gradients on CUDA (`None`: [`crate::deterministic`]). The CPU is always
+    /// deterministic.
+    pub deterministic: Option<bool>,
+}
+
+/// Attention of `q` over `k` and `v` under `mask`: `out = softmax(scale * q kᵀ, masked) v`.
+///
+/// * `q` `[batch, heads, m, d]`, `k` `[batch, kv_heads, n, d]`, `v` `[batch, kv_heads, n, dv]`,
+///   with `heads` a multiple of `kv_heads` (grouped-query attention: query head `h` reads kv
+///   head `h / (heads / kv_heads)`). Any strides: `q`, `k`, `v` may be views of one packed
+///   projection. `d`, `dv` in `1..=256`. Output `[batch, heads, m, dv]`, the dtype of `q`.
+/// * dtypes: f16, bf16 and f32 (f32 accumulation and softmax statistics), f64 on the CPU; q, k
+///   and v share one.
+/// * A query that sees no key gives a zero row (not NaN) and zero gradients.
+/// * Autograd: gradients for `q`, `k` and `v`, recomputing the probabilities from the saved
+///   log-sum-exp (no `m x n` buffer).
+/// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
+///   backward; tiles of 64 x 64 that the mask hides entirely are skipped.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fastops::{masked_attention, AttentionMask};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (1, 2, 5, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (1, 2, 5, 8), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (1, 2, 5, 8), &dev)?;
+/// let out = masked_attention(&q, &k, &v, &AttentionMask::causal(), 8f64.powf(-0.5))?;
+/// assert_eq!(out.dims(), &[1, 2, 5, 8]);
+/// // The first query sees only the first key: its output is that key's value.
+/// let first = out.narrow(2, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+/// let value = v.narrow(2, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+/// assert!(first.iter().zip(&value).all(|(a, b)| (a - b).abs() < 1e-6));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Result<Tensor> {
+    let options = AttentionOptions {
+        scale: Some(scale),
+        ..Default::default()
+    };
+    masked_attention_with(q, k, v, mask, &options)
+}
+
+/// [`masked_attention`] with per-call options.
+pub fn masked_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    options: &AttentionOptions,
+) -> Result<Tensor> {
+    Ok(attention(q, k, v, mask, options)?.0)
+}
+
+/// [`masked_attention_with`] and the row log-sum-exp of the scaled, masked scores: f32
+/// `[batch, heads, m]`, natural log, `-inf` for a query that sees no key. Attention over the
+/// union of key sets split in parts is `sum_p exp(lse_p - lse) out_p` with
+/// `lse = log(sum_p exp(lse_p))`. The log-sum-exp carries no gradient.
+pub fn masked_attention_with_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    options: &AttentionOptions,
+) -> Result<(Tensor, Tensor)> {
+    let (out, saved, p) = attention(q, k, v, mask, options)?;
+    let lse = saved
+        .lock()
+        .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
+        .clone();
+    let Some(lse) = lse else {
+        bail!("{OP}: internal error, the forward kept no log-sum-exp");
+    };
+    Ok((
+        out,
+        Tensor::from_vec(lse, (p.batch, p.heads, p.m), q.device())?,
+    ))
+}
+
+/// The sizes of one call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Problem {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub m: usize,
+    pub n: usize,
+    pub d: usize,
+    pub dv: usize,
+    pub scale: f64,
+}
+
+/// The forward's log-sum-exp, kept for the backward and for `masked_attention_with_lse`.
+type SavedLse = Arc<Mutex<Option<Vec<f64>>>>;
+
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    options: &AttentionOptions,
+) -> Result<(Tensor, SavedLse, Problem)> {
+    let p = problem(q, k, v, options)?;
+    mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
+    if q.device().is_cuda() {
+        bail!("{OP}: the CUDA kernels are not written yet; run attention on the CPU for now");
+    }
+    let saved = SavedLse::default();
+    let op = Attention {
+        p,
+        mask: mask.clone(),
+        saved: saved.clone(),
+    };
+    Ok((q.apply_op3(k, v, op)?, saved, p))
+}
+
+/// Checks the operands and returns the problem's sizes.
+fn problem(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Result<Problem> {
+    let dims = |t: &Tensor, name: &str, form: &str| -> Result<(usize, usize, usize, usize)> {
+        match t.dims() {
+            &[a, b, c, d] => Ok((a, b, c, d)),
+            dims => bail!("{OP}: {name} must be {form}, got shape {dims:?}"),
+        }
+    };
+    let (batch, heads, m, d) = dims(q, "q", "[batch, heads, m, d]")?;
+    let (kb, kv_heads, n, kd) = dims(k, "k", "[batch, kv_heads, n, d]")?;
+    let (vb, vh, vn, dv) = dims(v, "v", "[batch, kv_heads, n, dv]")?;
+    if kb != batch || vb != batch {
+        bail!("{OP}: batch sizes differ: q {batch}, k {kb}, v {vb}");
+    }
+    if vh != kv_heads || vn != n {
+        bail!(
+            "{OP}: k {:?} and v {:?} must share batch, kv heads and length",
+            k.dims(),
+            v.dims()
+        );
+    }
+    if kd != d {
+        bail!("{OP}: head dims differ: q has {d}, k has {kd}");
+    }
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        bail!("{OP}: heads ({heads}) must be a multiple of kv_heads ({kv_heads}), at least 1");
+    }
+    for (name, dim) in [("d", d), ("dv", dv)] {
+        if !(1..=MAX_HEAD_DIM).contains(&dim) {
+            bail!("{OP}: head dim {name} = {dim} is outside 1..={MAX_HEAD_DIM}");
+        }
+    }
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dtype() != q.dtype() {
+            bail!(
+                "{OP}: dtype mismatch, q is {:?} but {name} is {:?}",
+                q.dtype(),
+                t.dtype()
+            );
+        }
+        if !t.device().same_device(q.device()) {
+            bail!(
+                "{OP}: device mismatch, q is on {:?} but {name} on {:?}",
+                q.device().location(),
+                t.device().location()
+            );
+        }
+    }
+    match q.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => {}
+        DType::F64 if q.device().is_cpu() => {}
+        dtype => bail!("{OP}: unsupported dtype {dtype:?} (f32, f16, bf16; f64 on the CPU)"),
+    }
+    let scale = options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+    if !scale.is_finite() {
+        bail!("{OP}: scale must be finite, got {scale}");
+    }
+    Ok(Problem {
+        batch,
+        heads,
+        kv_heads,
+        m,
+        n,
+        d,
+        dv,
+        scale,
+    })
+}
+
+/// The op: q, k, v in, the attention out; the log-sum-exp is kept in `saved`.
+struct Attention {
+    p: Problem,
+    mask: AttentionMask,
+    saved: SavedLse,
+}
+
+/// A rank-4 strided view gathered into a contiguous vector of the accumulator type.
+fn gather<T: CpuFloat>(data: &[T], layout: &Layout) -> Result<Vec<T::Acc>> {
+    let (d0, d1, d2, d3) = layout.shape().dims4()?;
+    let s = layout.stride();
+    let start = layout.start_offset();
+    let mut out = Vec::with_capacity(d0 * d1 * d2 * d3);
+    for a in 0..d0 {
+        for b in 0..d1 {
+            for c in 0..d2 {
+                let row = start + a * s[0] + b * s[1] + c * s[2];
+                out.extend((0..d3).map(|e| data[row + e * s[3]].to_acc()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl Attention {
+    /// Runs `f` with the CPU view of the mask for this problem.
+    fn with_cpu_mask<R>(&self, f: impl FnOnce(&cpu::CpuMask<'_>) -> R) -> Result<R> {
+        let p = &self.p;
+        let tiles = self.mask.tile_data(cpu::ROWS, cpu::COLS, p.m, p.n, true)?;
+        let kind = self.mask.kind();
+        let mask::Kind::Dense { mask } = kind else {
+            return Ok(f(&cpu::CpuMask {
+                kind,
+                tiles: tiles.as_deref(),
+                dense: None,
+            }));
+        };
+        let states = match tiles.as_deref() {
+            Some(mask::TileData::DenseStates(states)) => states.flatten_all()?.to_vec1::<u8>()?,
+            _ => bail!("{OP}: internal error, a dense mask without its tile states"),
+        };
+        let (mb, mh, _, _) = mask.dims4()?;
+        let (storage, layout) = mask.storage_and_layout();
+        let candle_core::Storage::Cpu(storage) = &*storage else {
+            bail!("{OP}: the dense mask is not on the CPU");
+        };
+        let s = layout.stride();
+        let dense = cpu::DenseBytes {
+            mask: storage.as_slice::<u8>()?,
+            start: layout.start_offset(),
+            strides: [s[0], s[1], s[2], s[3]],
+            batch: mb,
+            heads: mh,
+            states: &states,
+        };
+        Ok(f(&cpu::CpuMask {
+            kind,
+            tiles: tiles.as_deref(),
+            dense: Some(dense),
+        }))
+    }
+
+    fn cpu_forward<T: CpuFloat>(
+        &self,
+        q: (&[T], &Layout),
+        k: (&CpuStorage, &Layout),
+        v: (&CpuStorage, &Layout),
+    ) -> Result<CpuStorage>
+    where
+        T::Acc: CpuGemm,
+    {
+        let p = &self.p;
+        let q = gather(q.0, q.1)?;
+        let k = gather(k.0.as_slice::<T>()?, k.1)?;
+        let v = gather(v.0.as_slice::<T>()?, v.1)?;
+        let mut out = vec![<T::Acc as num_traits::Zero>::zero(); p.batch * p.heads * p.m * p.dv];
+        let mut lse = vec![0f64; p.batch * p.heads * p.m];
+        self.with_cpu_mask(|mask| cpu::forward(p, mask, (&q, &k, &v), &mut out, &mut lse))?;
+        *self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = Some(lse);
+        let out: Vec<T> = out.into_iter().map(T::from_acc).collect();
+        Ok(T::to_cpu_storage_owned(out))
+    }
+
+    /// The CPU backward in the accumulator type `A` (f32, or f64 for f64 inputs).
+    fn cpu_backward<A: CpuGemm + WithDType>(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let p = &self.p;
+        let flat =
+            |t: &Tensor| -> Result<Vec<A>> { t.to_dtype(A::DTYPE)?.flatten_all()?.to_vec1::<A>() };
+        let lse = self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
+            .clone();
+        let Some(lse) = lse else {
+            bail!("{OP}: internal error, the backward found no saved log-sum-exp");
+        };
+        let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
+        let (ov, gv) = (flat(out)?, flat(grad_out)?);
+        let saved = cpu::Saved {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            out: &ov,
+            lse: &lse,
+            grad_out: &gv,
+        };
+        let mut dq = vec![A::zero(); qv.len()];
+        let mut dk = vec![A::zero(); kv.len()];
+        let mut dv = vec![A::zero(); vv.len()];
+        self.with_cpu_mask(|mask| cpu::backward(p, mask, &saved, (&mut dq, &mut dk, &mut dv)))?;
+        let dev = q.device();
+        let cast = |g: Vec<A>, like: &Tensor| -> Result<Tensor> {
+            Tensor::from_vec(g, like.dims(), dev)?.to_dtype(like.dtype())
+        };
+        Ok((cast(dq, q)?, cast(dk, k)?, cast(dv, v)?))
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "fastops-masked-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_layout: &Layout,
+        k: &CpuStorage,
+        k_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let p = &self.p;
+        let (k, v) = ((k, k_layout), (v, v_layout));
+        let out = match q {
+            CpuStorage::F32(q) => self.cpu_forward((q.as_slice(), q_layout), k, v)?,
+            CpuStorage::F64(q) => self.cpu_forward((q.as_slice(), q_layout), k, v)?,
+            CpuStorage::F16(q) => self.cpu_forward((q.as_slice(), q_layout), k, v)?,
+            CpuStorage::BF16(q) => self.cpu_forward((q.as_slice(), q_layout), k, v)?,
+            other => bail!(
+                "{OP}: unsupported dtype {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        };
+        Ok((out, Shape::from((p.batch, p.heads, p.m, p.dv))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !q.device().is_cpu() {
+            bail!("{OP}: the CUDA backward is not written yet");
+        }
+        let (dq, dk, dv) = if q.dtype() == DType::F64 {
+            self.cpu_backward::<f64>((q, k, v), out, grad_out)?
+        } else {
+            self.cpu_backward::<f32>((q, k, v), out, grad_out)?
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
