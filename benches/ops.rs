@@ -884,6 +884,77 @@ fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
     candle_fastops::bias_add(xs, bias, dim).map(drop)
 }
 
+/// What a candle user writes today for masked attention: scores, an additive mask, softmax, values.
+fn attention_composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(bias)?;
+    candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)
+}
+
+fn bench_attention(b: &mut Bench) -> Result<()> {
+    const OP: &str = "masked_attention";
+    if !b.wants(OP) || b.device.is_cuda() {
+        // The CUDA kernels come with the next part of the attention issue.
+        return Ok(());
+    }
+    let dev = b.device.clone();
+    // The issue's CPU case: batch 1, 8 heads, 1024 tokens, head dim 64, causal.
+    let (batch, heads, n, d) = (1, 8, 1024, 64);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (q, k, v) = (
+        randn(&[batch, heads, n, d], DType::F32, &dev)?,
+        randn(&[batch, heads, n, d], DType::F32, &dev)?,
+        randn(&[batch, heads, n, d], DType::F32, &dev)?,
+    );
+    let bias = Tensor::tril2(n, DType::F32, &dev)?
+        .affine(1e30, -1e30)?
+        .clamp(f32::NEG_INFINITY, 0.0)?;
+    let causal = candle_fastops::AttentionMask::causal();
+    // FLOPs of the visible half (q kᵀ and p v, 2 FLOPs per multiply-add).
+    let flops = 2.0 * 2.0 * (batch * heads * n * (n + 1) / 2 * d) as f64;
+    let case = format!("causal b={batch} h={heads} n={n} d={d}");
+    b.compare(
+        OP,
+        &format!("{case} forward"),
+        DType::F32,
+        Work::Flops(flops),
+        || candle_fastops::masked_attention(&q, &k, &v, &causal, scale).map(drop),
+        "matmul + mask + softmax + matmul",
+        || attention_composite(&q, &k, &v, &bias, scale).map(drop),
+    )?;
+    let (qv, kv, vv) = (
+        candle_core::Var::from_tensor(&q)?,
+        candle_core::Var::from_tensor(&k)?,
+        candle_core::Var::from_tensor(&v)?,
+    );
+    b.compare(
+        OP,
+        &format!("{case} fwd+bwd"),
+        DType::F32,
+        Work::Flops(3.5 * flops),
+        || {
+            candle_fastops::masked_attention(&qv, &kv, &vv, &causal, scale)?
+                .backward()
+                .map(drop)
+        },
+        "the same composite, fwd+bwd",
+        || {
+            let bias = bias.clone();
+            let scores = (qv.matmul(&kv.t()?)? * scale)?.broadcast_add(&bias)?;
+            candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?
+                .matmul(&vv)?
+                .backward()
+                .map(drop)
+        },
+    )?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let force_cpu = args.iter().any(|a| a == "--cpu");
@@ -910,6 +981,7 @@ fn main() -> Result<()> {
     bench_small_fc_lopt(&mut bench)?;
     bench_masked_bmm(&mut bench)?;
     bench_kmeans(&mut bench)?;
+    bench_attention(&mut bench)?;
     match bench.write_jsonl() {
         Ok(path) => println!("rows appended to {}", path.display()),
         Err(e) => eprintln!("could not write bench rows: {e}"),
