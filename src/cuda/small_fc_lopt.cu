@@ -251,28 +251,50 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // The deterministic square sums (set_deterministic / LOptBackend::deterministic): blockIdx.y is
-// the tensor of the group, x a block of its row sums then of its column sums. A sum over a
-// contiguous axis takes a warp (lane j adds elements j, j + 32, ... then a fixed butterfly), a sum
-// over a strided axis a thread (adjacent threads read adjacent elements); either way in a fixed
-// order, written once (no atomics). Reads the gradient twice.
+// the tensor of the group, x a block of its row sums then of its column sums, each sum taken in a
+// fixed order and written once (no atomics); the gradient is read twice. A sum over a contiguous
+// axis takes a warp (lane j adds elements j, j + 32, ..., then a fixed butterfly); sums over a
+// strided axis take 32 per block, the block's 8 warps adding interleaved elements (warp w takes
+// k = w, w + 8, ..., its lanes adjacent sums, so each load is one 128-byte row segment), then the
+// 8 partial sums added in warp order.
+constexpr int STRIDED_SUMS = 32;
+static_assert(THREADS == STRIDED_SUMS * WARPS, "a block is 32 sums x 8 warps");
+
 __host__ __device__ __forceinline__ uint64_t ordered_sum_blocks(uint64_t count, uint64_t inner) {
-    const uint64_t per_block = inner == 1 ? WARPS : THREADS;
+    const uint64_t per_block = inner == 1 ? WARPS : STRIDED_SUMS;
     return (count + per_block - 1) / per_block;
 }
 
 __device__ __forceinline__ void ordered_square_sums(const float* __restrict__ g, float* __restrict__ sums,
-                                                    uint64_t count, uint64_t inner, uint64_t outer, uint64_t block) {
+                                                    uint64_t count, uint64_t inner, uint64_t outer, uint64_t block,
+                                                    float (*partial)[STRIDED_SUMS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (inner == 1) {
-        const uint64_t o = block * WARPS + (threadIdx.x >> 5), len = outer;
+        const uint64_t o = block * WARPS + warp, len = outer;
         if (o >= count) return;  // warp-uniform
         const float* src = g + o * outer;
         float sum = 0.0f;
-        for (uint64_t k = threadIdx.x & 31; k < len; k += 32) sum = fmaf(src[k], src[k], sum);
+        for (uint64_t k = lane; k < len; k += 32) sum = fmaf(src[k], src[k], sum);
         sum = warp_sum(sum);
-        if ((threadIdx.x & 31) == 0) sums[o] = sum;
-    } else {
-        const uint64_t o = block * THREADS + threadIdx.x;
-        if (o < count) sums[o] = ordered_axis_sum(g, o, inner, outer, true);
+        if (lane == 0) sums[o] = sum;
+        return;
+    }
+    const uint64_t o = block * STRIDED_SUMS + lane, len = outer / inner;
+    float sum = 0.0f;
+    if (o < count) {
+        const uint64_t q = o / inner, base = q * outer + (o - q * inner);
+        for (uint64_t k = warp; k < len; k += WARPS) {
+            const float v = g[base + k * inner];
+            sum = fmaf(v, v, sum);
+        }
+    }
+    partial[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0 && o < count) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += partial[w][lane];
+        sums[o] = total;
     }
 }
 
@@ -281,11 +303,13 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const LoptMeta& m = meta[first + blockIdx.y];
     const float* __restrict__ g = ptrs.grad[blockIdx.y];
     if (!m.factored || g == nullptr) return;
+    __shared__ float partial[WARPS][STRIDED_SUMS];
     const uint64_t row_blocks = ordered_sum_blocks(m.rows, m.inner0.d);
     if (blockIdx.x < row_blocks) {
-        ordered_square_sums(g, buf.row_sum + m.row_sum, m.rows, m.inner0.d, m.outer0.d, blockIdx.x);
+        ordered_square_sums(g, buf.row_sum + m.row_sum, m.rows, m.inner0.d, m.outer0.d, blockIdx.x, partial);
     } else {
-        ordered_square_sums(g, buf.col_sum + m.col_sum, m.cols, m.inner1.d, m.outer1.d, blockIdx.x - row_blocks);
+        ordered_square_sums(g, buf.col_sum + m.col_sum, m.cols, m.inner1.d, m.outer1.d, blockIdx.x - row_blocks,
+                            partial);
     }
 }
 

@@ -9,7 +9,7 @@
 //! feature statistics, MLP + parameter update. Parameters are written in place.
 //!
 //! Deterministic steps replace the float atomics of the reductions: the square sums are taken by
-//! `lopt_square_sums_ordered` (a thread per row or column sum, in index order), the factors'
+//! `lopt_square_sums_ordered` (each row or column sum in a fixed order), the factors'
 //! batch sums in index order, and the feature sums per chunk, then added in chunk order by
 //! `lopt_chunk_sums`.
 
@@ -246,10 +246,10 @@ enum Locked {
 const FIXED_LOCKED: usize = Locked::Mlp as usize + 1;
 
 /// The blocks of `lopt_square_sums_ordered` for a matrix: its row sums, then its column sums,
-/// a warp per sum over a contiguous axis and a thread per sum over a strided one.
+/// 8 sums per block over a contiguous axis (a warp each), 32 over a strided one.
 fn ordered_sum_blocks(meta: &LoptMeta) -> usize {
     let blocks = |count: u64, inner: &Divisor| {
-        let per_block = if inner.d == 1 { THREADS / 32 } else { THREADS };
+        let per_block = if inner.d == 1 { THREADS / 32 } else { 32 };
         count.div_ceil(per_block as u64) as usize
     };
     if meta.factored == 0 {
