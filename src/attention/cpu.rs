@@ -11,7 +11,7 @@ use crate::tile_summary::{TILE_EMPTY, TILE_FULL, TILE_PARTIAL};
 use rayon::prelude::*;
 
 /// Query rows and keys per tile.
-pub(super) const ROWS: usize = 64;
+pub(super) const ROWS: usize = 128;
 pub(super) const COLS: usize = 64;
 
 /// `dst[m x n] (row-major) = (dst if accumulate) + lhs . rhs`, where `lhs` is `m x k` with
