@@ -45,7 +45,7 @@ pub struct AttentionOptions {
 /// * Autograd: gradients for `q`, `k` and `v`, recomputing the probabilities from the saved
 ///   log-sum-exp (no `m x n` buffer).
 /// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
-///   backward; tiles of 64 x 64 that the mask hides entirely are skipped.
+///   backward; tiles (128 queries x 64 keys on the CPU) that the mask hides entirely are skipped.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
