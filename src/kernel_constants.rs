@@ -81,3 +81,22 @@ pub mod small_fc_lopt {
     /// Width of the MLP's two hidden layers.
     pub const HIDDEN: usize = 32;
 }
+
+/// masked_attention.
+pub mod attention {
+    /// Queries and keys per tile of the tensor-core kernels (and of the mask's tile states).
+    pub const TILE_Q: usize = 64;
+    pub const TILE_K: usize = 64;
+    /// Warps per block of the tensor-core kernels (16 query or key rows each).
+    pub const WARPS: usize = 4;
+    /// Elements of padding after each shared-memory row (keeps ldmatrix free of bank conflicts).
+    pub const ROW_PAD: usize = 8;
+    /// Warps per block of the f32 kernels (a warp per query or key row).
+    pub const ROW_WARPS: usize = 8;
+    /// Mask kinds.
+    pub const MASK_FULL: i32 = 0;
+    pub const MASK_CAUSAL: i32 = 1;
+    pub const MASK_WINDOW: i32 = 2;
+    pub const MASK_DOCUMENTS: i32 = 3;
+    pub const MASK_DENSE: i32 = 4;
+}

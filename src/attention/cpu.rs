@@ -4,10 +4,10 @@
 //! of tiles go through the `gemm` crate; no `m x n` buffer exists, only a `ROWS x COLS` tile of
 //! scores per task. Empty tiles are skipped, full tiles are not masked element by element.
 
-use super::mask::{generated_tile_state, generated_visible, Kind, TileData};
+use super::mask::{document_tile_state, generated_tile_state, generated_visible, Kind, TileData};
 use super::Problem;
 use crate::matmul::core::CpuGemm;
-use crate::tile_summary::{TILE_EMPTY, TILE_FULL, TILE_PARTIAL};
+use crate::tile_summary::{TILE_EMPTY, TILE_FULL};
 use rayon::prelude::*;
 
 /// Query rows and keys per tile.
@@ -102,21 +102,7 @@ impl HeadMask<'_> {
                 rows: row_ranges,
                 cols: col_ranges,
                 ..
-            } => {
-                let ((qmin, qmax), (kmin, kmax)) = (row_ranges[qt], col_ranges[kt]);
-                let order = if *causal {
-                    generated_tile_state(&Kind::Causal, rows, cols, 0)
-                } else {
-                    TILE_FULL
-                };
-                if qmax < kmin || kmax < qmin || order == TILE_EMPTY {
-                    TILE_EMPTY
-                } else if qmin == qmax && kmin == kmax && qmin == kmin && order == TILE_FULL {
-                    TILE_FULL
-                } else {
-                    TILE_PARTIAL
-                }
-            }
+            } => document_tile_state((row_ranges[qt], col_ranges[kt]), rows, cols, *causal),
             HeadMask::Dense {
                 states, col_tiles, ..
             } => states[qt * col_tiles + kt],

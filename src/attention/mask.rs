@@ -8,7 +8,7 @@
 //! clones), so a mask built once and passed to every layer and step is summarised once.
 
 use crate::tile_summary::{TILE_EMPTY, TILE_FULL, TILE_PARTIAL};
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, DeviceLocation, Result, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -61,7 +61,7 @@ struct TileKey {
     cols: usize,
     m: usize,
     n: usize,
-    cpu: bool,
+    device: DeviceLocation,
 }
 
 /// Per-tile data of a document or dense mask for one tile size.
@@ -74,6 +74,10 @@ pub(super) enum TileData {
     },
     /// u8 `[mb * mh, row_tiles, col_tiles]` tile states.
     DenseStates(Tensor),
+    /// Documents on a GPU: u8 `[batch, row_tiles, col_tiles]` tile states and the ids (i64
+    /// `[batch * seq]`), both on the device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    DocDevice { states: Tensor, ids: Tensor },
 }
 
 impl AttentionMask {
@@ -195,15 +199,15 @@ impl AttentionMask {
         }
     }
 
-    /// The per-tile data for tiles of `rows x cols` over an `m x n` problem (document and dense
-    /// masks; `None` for generated ones), computed once and cached.
+    /// The per-tile data for tiles of `rows x cols` over an `m x n` problem on `device`
+    /// (document and dense masks; `None` for generated ones), computed once and cached.
     pub(super) fn tile_data(
         &self,
         rows: usize,
         cols: usize,
         m: usize,
         n: usize,
-        cpu: bool,
+        device: &Device,
     ) -> Result<Option<Arc<TileData>>> {
         if self.is_generated() {
             return Ok(None);
@@ -213,7 +217,7 @@ impl AttentionMask {
             cols,
             m,
             n,
-            cpu,
+            device: device.location(),
         };
         let mut tiles = self
             .tiles
@@ -224,7 +228,10 @@ impl AttentionMask {
         }
         let data = Arc::new(match &self.kind {
             Kind::Documents {
-                ids, batch, seq, ..
+                ids,
+                batch,
+                seq,
+                causal,
             } => {
                 let ranges = |tile: usize| -> Vec<(i64, i64)> {
                     let tiles = seq.div_ceil(tile);
@@ -238,9 +245,31 @@ impl AttentionMask {
                         })
                         .collect()
                 };
-                TileData::DocRanges {
-                    rows: ranges(rows),
-                    cols: ranges(cols),
+                let (row_ranges, col_ranges) = (ranges(rows), ranges(cols));
+                if device.is_cpu() {
+                    TileData::DocRanges {
+                        rows: row_ranges,
+                        cols: col_ranges,
+                    }
+                } else {
+                    let (rt, ct) = (seq.div_ceil(rows), seq.div_ceil(cols));
+                    let mut states = Vec::with_capacity(batch * rt * ct);
+                    for b in 0..*batch {
+                        for qt in 0..rt {
+                            for kt in 0..ct {
+                                states.push(document_tile_state(
+                                    (row_ranges[b * rt + qt], col_ranges[b * ct + kt]),
+                                    qt * rows..((qt + 1) * rows).min(*seq),
+                                    kt * cols..((kt + 1) * cols).min(*seq),
+                                    *causal,
+                                ));
+                            }
+                        }
+                    }
+                    TileData::DocDevice {
+                        states: Tensor::from_vec(states, (*batch, rt, ct), device)?,
+                        ids: Tensor::from_slice(ids.as_slice(), batch * seq, device)?,
+                    }
                 }
             }
             Kind::Dense { mask } => {
@@ -288,6 +317,29 @@ pub(super) fn generated_tile_state(
             }
         }
         _ => TILE_PARTIAL,
+    }
+}
+
+/// The state of a tile of a document mask from the id ranges `(min, max)` of its queries and of
+/// its keys: empty when the ranges do not meet (or, causal, every key follows every query), full
+/// when both hold one and the same id (and, causal, every key precedes every query).
+pub(super) fn document_tile_state(
+    ((qmin, qmax), (kmin, kmax)): ((i64, i64), (i64, i64)),
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    causal: bool,
+) -> u8 {
+    let order = if causal {
+        generated_tile_state(&Kind::Causal, rows, cols, 0)
+    } else {
+        TILE_FULL
+    };
+    if qmax < kmin || kmax < qmin || order == TILE_EMPTY {
+        TILE_EMPTY
+    } else if qmin == qmax && kmin == kmax && qmin == kmin && order == TILE_FULL {
+        TILE_FULL
+    } else {
+        TILE_PARTIAL
     }
 }
 

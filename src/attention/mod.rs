@@ -2,10 +2,12 @@
 //! tiled algorithm (online softmax, no `m x n` buffer), with tiles the mask hides skipped and
 //! tiles it keeps whole taken without per-element masking.
 //!
-//! The CPU path (rayon, the `gemm` crate for tile products) is complete, forward and backward.
-//! The CUDA kernels are not written yet: on a GPU these functions return an error saying so.
+//! The CPU path runs rayon over tiles with the `gemm` crate for tile products; the CUDA path runs
+//! tensor-core kernels for f16 and bf16 and exact-f32 row kernels for f32 (`src/cuda/attention.cu`).
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod mask;
 
 pub use mask::AttentionMask;
@@ -25,11 +27,13 @@ const MAX_HEAD_DIM: usize = 256;
 pub struct AttentionOptions {
     /// The factor of the scores; `None` is `1 / sqrt(d)`.
     pub scale: Option<f64>,
-    /// How f32 inputs are multiplied on CUDA (`None`: [`crate::f32_matmul`]). The CPU computes
-    /// f32 in f32 and f64 in f64 whatever this says.
+    /// How f32 inputs are multiplied on CUDA (`None`: [`crate::f32_matmul`]). Both the CPU and
+    /// the CUDA kernels compute f32 with exact f32 multiply-adds (the accurate end of every
+    /// mode), so no mode changes the result today; f64 is computed in f64 on the CPU.
     pub f32_mode: Option<crate::F32Matmul>,
-    /// Bit-reproducible gradients on CUDA (`None`: [`crate::deterministic`]). The CPU is always
-    /// deterministic.
+    /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). Both the CPU and the CUDA
+    /// backward are deterministic in every mode (the CUDA backward sums each gradient in one
+    /// block, in a fixed order, without atomics).
     pub deterministic: Option<bool>,
 }
 
@@ -108,7 +112,7 @@ pub fn masked_attention_with_lse(
     };
     Ok((
         out,
-        Tensor::from_vec(lse, (p.batch, p.heads, p.m), q.device())?,
+        lse.to_dtype(DType::F32)?.reshape((p.batch, p.heads, p.m))?,
     ))
 }
 
@@ -125,8 +129,9 @@ pub(crate) struct Problem {
     pub scale: f64,
 }
 
-/// The forward's log-sum-exp, kept for the backward and for `masked_attention_with_lse`.
-type SavedLse = Arc<Mutex<Option<Vec<f64>>>>;
+/// The forward's log-sum-exp `[b, h, m]` (f64 on the CPU, f32 on a GPU), kept for the backward
+/// and for `masked_attention_with_lse`.
+type SavedLse = Arc<Mutex<Option<Tensor>>>;
 
 fn attention(
     q: &Tensor,
@@ -138,7 +143,7 @@ fn attention(
     let p = problem(q, k, v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if q.device().is_cuda() {
-        bail!("{OP}: the CUDA kernels are not written yet; run attention on the CPU for now");
+        return cuda_attention(q, k, v, mask, p);
     }
     let saved = SavedLse::default();
     let op = Attention {
@@ -147,6 +152,61 @@ fn attention(
         saved: saved.clone(),
     };
     Ok((q.apply_op3(k, v, op)?, saved, p))
+}
+
+/// The CUDA kernels need head dims that are a multiple of 8 and operands with unit column strides
+/// (16-bit: 16-byte aligned rows): other head dims are padded with zeros (which change no score
+/// and give output columns that are cut off), other layouts copied. The padding and copies are
+/// candle ops, so gradients flow back through them.
+#[cfg(feature = "cuda")]
+fn cuda_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    p: Problem,
+) -> Result<(Tensor, SavedLse, Problem)> {
+    let (d, dv) = (p.d.next_multiple_of(8), p.dv.next_multiple_of(8));
+    let operand = |t: &Tensor, dim: usize| -> Result<Tensor> {
+        let t = if t.dim(3)? == dim {
+            t.clone()
+        } else {
+            t.pad_with_zeros(3, 0, dim - t.dim(3)?)?
+        };
+        if cuda::operand_ok(t.layout(), t.dtype()) {
+            Ok(t)
+        } else if !t.is_contiguous() {
+            t.contiguous()
+        } else {
+            // Contiguous but starting off a 16-byte boundary: a fresh copy.
+            t.affine(1.0, 0.0)
+        }
+    };
+    let (q2, k2, v2) = (operand(q, d)?, operand(k, d)?, operand(v, dv)?);
+    let saved = SavedLse::default();
+    let op = Attention {
+        p: Problem { d, dv, ..p },
+        mask: mask.clone(),
+        saved: saved.clone(),
+    };
+    let out = q2.apply_op3(&k2, &v2, op)?;
+    let out = if dv == p.dv {
+        out
+    } else {
+        out.narrow(3, 0, p.dv)?
+    };
+    Ok((out, saved, p))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_attention(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &AttentionMask,
+    _: Problem,
+) -> Result<(Tensor, SavedLse, Problem)> {
+    bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
 }
 
 /// Checks the operands and returns the problem's sizes.
@@ -243,10 +303,32 @@ fn gather<T: CpuFloat>(data: &[T], layout: &Layout) -> Result<Vec<T::Acc>> {
 }
 
 impl Attention {
+    fn keep_lse(&self, lse: Tensor) -> Result<()> {
+        *self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = Some(lse);
+        Ok(())
+    }
+
+    fn saved_lse(&self) -> Result<Tensor> {
+        let lse = self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
+            .clone();
+        match lse {
+            Some(lse) => Ok(lse),
+            None => bail!("{OP}: internal error, the backward found no saved log-sum-exp"),
+        }
+    }
+
     /// Runs `f` with the CPU view of the mask for this problem.
     fn with_cpu_mask<R>(&self, f: impl FnOnce(&cpu::CpuMask<'_>) -> R) -> Result<R> {
         let p = &self.p;
-        let tiles = self.mask.tile_data(cpu::ROWS, cpu::COLS, p.m, p.n, true)?;
+        let tiles =
+            self.mask
+                .tile_data(cpu::ROWS, cpu::COLS, p.m, p.n, &candle_core::Device::Cpu)?;
         let kind = self.mask.kind();
         let mask::Kind::Dense { mask } = kind else {
             return Ok(f(&cpu::CpuMask {
@@ -296,10 +378,8 @@ impl Attention {
         let mut out = vec![<T::Acc as num_traits::Zero>::zero(); p.batch * p.heads * p.m * p.dv];
         let mut lse = vec![0f64; p.batch * p.heads * p.m];
         self.with_cpu_mask(|mask| cpu::forward(p, mask, (&q, &k, &v), &mut out, &mut lse))?;
-        *self
-            .saved
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = Some(lse);
+        let lse = Tensor::from_vec(lse, (p.batch, p.heads, p.m), &candle_core::Device::Cpu)?;
+        self.keep_lse(lse)?;
         let out: Vec<T> = out.into_iter().map(T::from_acc).collect();
         Ok(T::to_cpu_storage_owned(out))
     }
@@ -314,14 +394,7 @@ impl Attention {
         let p = &self.p;
         let flat =
             |t: &Tensor| -> Result<Vec<A>> { t.to_dtype(A::DTYPE)?.flatten_all()?.to_vec1::<A>() };
-        let lse = self
-            .saved
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
-            .clone();
-        let Some(lse) = lse else {
-            bail!("{OP}: internal error, the backward found no saved log-sum-exp");
-        };
+        let lse = self.saved_lse()?.flatten_all()?.to_vec1::<f64>()?;
         let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
         let (ov, gv) = (flat(out)?, flat(grad_out)?);
         let saved = cpu::Saved {
@@ -341,6 +414,41 @@ impl Attention {
             Tensor::from_vec(g, like.dims(), dev)?.to_dtype(like.dtype())
         };
         Ok((cast(dq, q)?, cast(dk, k)?, cast(dv, v)?))
+    }
+}
+
+impl Attention {
+    /// The CUDA backward: delta = rowsum(dO * O) composed from candle ops, then the dq and dk / dv
+    /// kernels.
+    #[cfg(feature = "cuda")]
+    fn cuda_backward(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let go = grad_out.contiguous()?;
+        let go = if cuda::operand_ok(go.layout(), go.dtype()) {
+            go
+        } else {
+            go.affine(1.0, 0.0)?
+        };
+        let delta = (out.to_dtype(DType::F32)? * go.to_dtype(DType::F32)?)?
+            .sum(3)?
+            .contiguous()?;
+        let lse = self.saved_lse()?;
+        let mask = cuda::DeviceMask::new(&self.mask, &self.p, q.device())?;
+        cuda::backward(&self.p, &mask, (q, k, v), &go, &lse, &delta)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_backward(
+        &self,
+        _: (&Tensor, &Tensor, &Tensor),
+        _: &Tensor,
+        _: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
     }
 }
 
@@ -373,6 +481,30 @@ impl CustomOp3 for Attention {
         Ok((out, Shape::from((p.batch, p.heads, p.m, p.dv))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_layout: &Layout,
+        k: &candle_core::CudaStorage,
+        k_layout: &Layout,
+        v: &candle_core::CudaStorage,
+        v_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let p = &self.p;
+        for (name, layout) in [("q", q_layout), ("k", k_layout), ("v", v_layout)] {
+            let dtype = candle_core::backend::BackendStorage::dtype(q);
+            if !cuda::operand_ok(layout, dtype) || layout.dims()[3] % 8 != 0 {
+                bail!("{OP}: internal error, {name} reached the kernels unprepared ({layout:?})");
+            }
+        }
+        let device = candle_core::Device::Cuda(q.device.clone());
+        let mask = cuda::DeviceMask::new(&self.mask, p, &device)?;
+        let (out, lse) = cuda::forward(p, &mask, (q, q_layout), (k, k_layout), (v, v_layout))?;
+        self.keep_lse(lse)?;
+        Ok((out, Shape::from((p.batch, p.heads, p.m, p.dv))))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -381,8 +513,9 @@ impl CustomOp3 for Attention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !q.device().is_cpu() {
-            bail!("{OP}: the CUDA backward is not written yet");
+        if q.device().is_cuda() {
+            let (dq, dk, dv) = self.cuda_backward((q, k, v), out, grad_out)?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
         }
         let (dq, dk, dv) = if q.dtype() == DType::F64 {
             self.cpu_backward::<f64>((q, k, v), out, grad_out)?

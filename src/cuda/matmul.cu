@@ -354,13 +354,6 @@ struct AsyncStaging {
 };
 static_assert(sizeof(AsyncStaging) == fastops_constants::matmul::ASYNC_SHARED_BYTES, "the host sizes the launch by it");
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Copies of one operand's TILE (outer) x stage_k (k) stages: two 16-byte chunks per thread, into
 // smem[outer][k] (K_MAJOR: k contiguous in global) or smem[k][outer] (outer contiguous). Chunks

@@ -27,6 +27,7 @@ pub(crate) enum Module {
     SmallFcLOpt,
     Matmul,
     TileSummary,
+    Attention,
 }
 
 impl Module {
@@ -38,6 +39,7 @@ impl Module {
             Module::SmallFcLOpt => "candle_fastops_small_fc_lopt",
             Module::Matmul => "candle_fastops_matmul",
             Module::TileSummary => "candle_fastops_tile_summary",
+            Module::Attention => "candle_fastops_attention",
         }
     }
 
@@ -49,6 +51,7 @@ impl Module {
             Module::SmallFcLOpt => entries::SMALL_FC_LOPT,
             Module::Matmul => entries::MATMUL,
             Module::TileSummary => entries::TILE_SUMMARY,
+            Module::Attention => entries::ATTENTION,
         }
     }
 
@@ -60,6 +63,7 @@ impl Module {
             Module::SmallFcLOpt => ptx::SMALL_FC_LOPT,
             Module::Matmul => ptx::MATMUL,
             Module::TileSummary => ptx::TILE_SUMMARY,
+            Module::Attention => ptx::ATTENTION,
         }
     }
 }

@@ -1,0 +1,497 @@
+//! The CUDA side of `masked_attention`: the kernels' argument structs, the mask's data on the
+//! device, and the launches (`src/cuda/attention.cu`).
+//!
+//! f16 and bf16 run the tensor-core kernels, whose head dims are padded to 64, 128 or 256; f32
+//! runs the warp-per-row kernels. Operands must have unit column strides, head dims a multiple of
+//! 8 and, for 16-bit types, 16-byte aligned rows: `super::cuda_operand` makes them so.
+
+use super::mask::{Kind, TileData};
+use super::{AttentionMask, Problem, OP};
+use crate::cuda::{alloc_output, Kernel, Module};
+use crate::kernel_constants::attention as C;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::CudaDType;
+use candle_core::op::BackpropOp;
+use candle_core::{
+    bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor, WithDType,
+};
+use candle_core::backend::BackendStorage;
+use std::ops::Deref;
+
+/// Mirrors `MaskArgs` in `src/cuda/attention.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct MaskArgs {
+    dense_strides: [i64; 4],
+    states_batch_stride: i64,
+    states_head_stride: i64,
+    window: i64,
+    kind: i32,
+    doc_causal: i32,
+}
+// `MaskArgs` in src/cuda/attention.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<MaskArgs>() == 64);
+
+/// Mirrors `AttentionArgs` in `src/cuda/attention.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AttentionArgs {
+    q_strides: [i64; 3],
+    k_strides: [i64; 3],
+    v_strides: [i64; 3],
+    batch: i64,
+    heads: i64,
+    kv_heads: i64,
+    m: i64,
+    n: i64,
+    d: i64,
+    dv: i64,
+    row_tiles: i64,
+    col_tiles: i64,
+    scale: f32,
+    scale_log2: f32,
+    mask: MaskArgs,
+}
+// `AttentionArgs` in src/cuda/attention.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<AttentionArgs>() == 216);
+// SAFETY: plain-old-data laid out as its C mirror.
+unsafe impl DeviceRepr for AttentionArgs {}
+
+const TILE_Q: usize = C::TILE_Q;
+const TILE_K: usize = C::TILE_K;
+const TC_THREADS: u32 = (C::WARPS * 32) as u32;
+const ROW_WARPS: usize = C::ROW_WARPS;
+
+/// What an operand must look like for the kernels: unit column stride, and for 16-bit types rows
+/// and heads starting on 16 bytes.
+pub(super) fn operand_ok(layout: &Layout, dtype: DType) -> bool {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let unit_columns = dims[3] <= 1 || strides[3] == 1;
+    if dtype == DType::F32 {
+        return unit_columns;
+    }
+    let aligned = |x: usize| x % 8 == 0;
+    unit_columns
+        && aligned(layout.start_offset())
+        && (0..3).all(|i| dims[i] <= 1 || aligned(strides[i]))
+}
+
+/// The mask's data on the device, with the kernels' mask arguments.
+pub(super) struct DeviceMask {
+    args: MaskArgs,
+    states: Option<Tensor>,
+    dense: Option<Tensor>,
+    ids: Option<Tensor>,
+}
+
+impl DeviceMask {
+    pub(super) fn new(
+        mask: &AttentionMask,
+        p: &Problem,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let mut dm = DeviceMask {
+            args: MaskArgs::default(),
+            states: None,
+            dense: None,
+            ids: None,
+        };
+        let tiles = p.m.div_ceil(TILE_Q) * p.n.div_ceil(TILE_K);
+        let data = mask.tile_data(TILE_Q, TILE_K, p.m, p.n, device)?;
+        match (mask.kind(), data.as_deref()) {
+            (Kind::Full, _) => dm.args.kind = C::MASK_FULL,
+            (Kind::Causal, _) => dm.args.kind = C::MASK_CAUSAL,
+            (Kind::Window(w), _) => {
+                dm.args.kind = C::MASK_WINDOW;
+                dm.args.window = (*w).min(p.m + p.n + 1) as i64;
+            }
+            (Kind::Documents { causal, .. }, Some(TileData::DocDevice { states, ids })) => {
+                dm.args.kind = C::MASK_DOCUMENTS;
+                dm.args.doc_causal = *causal as i32;
+                dm.args.states_batch_stride = tiles as i64;
+                dm.states = Some(states.clone());
+                dm.ids = Some(ids.clone());
+            }
+            (Kind::Dense { mask }, Some(TileData::DenseStates(states))) => {
+                let (mb, mh, _, _) = mask.dims4()?;
+                let s = mask.layout().stride();
+                let broadcast =
+                    |count: usize, stride: usize| if count == 1 { 0 } else { stride as i64 };
+                dm.args.kind = C::MASK_DENSE;
+                dm.args.dense_strides = [
+                    broadcast(mb, s[0]),
+                    broadcast(mh, s[1]),
+                    s[2] as i64,
+                    s[3] as i64,
+                ];
+                dm.args.states_batch_stride = broadcast(mb, mh * tiles);
+                dm.args.states_head_stride = broadcast(mh, tiles);
+                dm.states = Some(states.contiguous()?);
+                dm.dense = Some(mask.clone());
+            }
+            _ => bail!("{OP}: internal error, the mask has no device data"),
+        }
+        Ok(dm)
+    }
+}
+
+/// A tensor's storage, held (read-locked) for a launch.
+struct Held<'a> {
+    guard: Box<dyn Deref<Target = Storage> + 'a>,
+    start: usize,
+}
+
+impl<'a> Held<'a> {
+    fn new(t: &'a Tensor) -> Self {
+        let (guard, layout) = t.storage_and_layout();
+        let start = layout.start_offset();
+        Self {
+            guard: Box::new(guard),
+            start,
+        }
+    }
+
+    fn view<T: CudaDType + DeviceRepr>(&self) -> Result<CudaView<'_, T>> {
+        match &**self.guard {
+            Storage::Cuda(s) => Ok(s.as_cuda_slice::<T>()?.slice(self.start..)),
+            _ => bail!("{OP}: internal error, an operand is not on the GPU"),
+        }
+    }
+}
+
+/// The mask's buffers as kernel arguments (absent ones as null pointers).
+struct MaskViews<'a> {
+    states: Option<CudaView<'a, u8>>,
+    dense: Option<CudaView<'a, u8>>,
+    ids: Option<CudaView<'a, i64>>,
+    null: u64,
+}
+
+impl<'a> MaskViews<'a> {
+    fn push(&'a self, args: &mut LaunchArgs<'a>) {
+        match &self.states {
+            Some(v) => args.arg(v),
+            None => args.arg(&self.null),
+        };
+        match &self.dense {
+            Some(v) => args.arg(v),
+            None => args.arg(&self.null),
+        };
+        match &self.ids {
+            Some(v) => args.arg(v),
+            None => args.arg(&self.null),
+        };
+    }
+}
+
+fn hold_all(m: &DeviceMask) -> [Option<Held<'_>>; 3] {
+    [
+        m.states.as_ref().map(Held::new),
+        m.dense.as_ref().map(Held::new),
+        m.ids.as_ref().map(Held::new),
+    ]
+}
+
+fn mask_views<'a>(held: &'a [Option<Held<'_>>; 3]) -> Result<MaskViews<'a>> {
+    Ok(MaskViews {
+        states: held[0].as_ref().map(|h| h.view::<u8>()).transpose()?,
+        dense: held[1].as_ref().map(|h| h.view::<u8>()).transpose()?,
+        ids: held[2].as_ref().map(|h| h.view::<i64>()).transpose()?,
+        null: 0,
+    })
+}
+
+fn strides3(layout: &Layout) -> [i64; 3] {
+    let s = layout.stride();
+    [s[0] as i64, s[1] as i64, s[2] as i64]
+}
+
+fn args(p: &Problem, mask: &DeviceMask, layouts: [&Layout; 3]) -> AttentionArgs {
+    AttentionArgs {
+        q_strides: strides3(layouts[0]),
+        k_strides: strides3(layouts[1]),
+        v_strides: strides3(layouts[2]),
+        batch: p.batch as i64,
+        heads: p.heads as i64,
+        kv_heads: p.kv_heads as i64,
+        m: p.m as i64,
+        n: p.n as i64,
+        d: p.d as i64,
+        dv: p.dv as i64,
+        row_tiles: p.m.div_ceil(TILE_Q) as i64,
+        col_tiles: p.n.div_ceil(TILE_K) as i64,
+        scale: p.scale as f32,
+        scale_log2: (p.scale * std::f64::consts::LOG2_E) as f32,
+        mask: mask.args,
+    }
+}
+
+/// The kernels that run a problem: the tensor cores' padded head dim (64, 128, 256), or the
+/// f32 row kernels.
+#[derive(Debug, Clone, Copy)]
+enum Path {
+    TensorCores { head_tile: usize },
+    Rows,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Pass {
+    Forward,
+    Dq,
+    Dkdv,
+}
+
+impl Path {
+    fn of(p: &Problem, dtype: DType) -> Self {
+        if dtype == DType::F32 {
+            return Path::Rows;
+        }
+        let head_tile = match p.d.max(p.dv) {
+            0..=64 => 64,
+            65..=128 => 128,
+            _ => 256,
+        };
+        Path::TensorCores { head_tile }
+    }
+
+    fn kernel<T: WithDType>(self, dev: &CudaDevice, pass: Pass) -> Result<Kernel> {
+        let stem = match pass {
+            Pass::Forward => "attention_fwd",
+            Pass::Dq => "attention_dq",
+            Pass::Dkdv => "attention_dkdv",
+        };
+        let tile = match self {
+            Path::TensorCores { head_tile } => format!("d{head_tile}"),
+            Path::Rows => "rows".to_string(),
+        };
+        let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &[stem, &tile])?;
+        let shared = self.shared_bytes(pass, T::DTYPE.size_in_bytes());
+        if shared > 48 * 1024 {
+            kernel.allow_dynamic_shared(shared)?;
+        }
+        Ok(kernel)
+    }
+
+    /// Dynamic shared memory of a pass (mirrors the tile layout of the kernels): 64-row tiles of
+    /// `head_tile + ROW_PAD` elements; one stage of the streamed operands where the head tile is
+    /// 256, two otherwise.
+    fn shared_bytes(self, pass: Pass, elem: usize) -> usize {
+        let Path::TensorCores { head_tile } = self else {
+            return 0;
+        };
+        let tile = 64 * (head_tile + C::ROW_PAD) * elem;
+        let stages = if head_tile > 128 { 1 } else { 2 };
+        match pass {
+            Pass::Forward => (1 + 2 * stages) * tile,
+            Pass::Dq => (2 + 2 * stages) * tile,
+            Pass::Dkdv => (2 + 2 * stages) * tile + 2 * stages * TILE_Q * 4,
+        }
+    }
+
+    fn config(self, p: &Problem, pass: Pass, elem: usize) -> LaunchConfig {
+        let shared_mem_bytes = self.shared_bytes(pass, elem) as u32;
+        match self {
+            Path::TensorCores { head_tile } => {
+                let blocks = match pass {
+                    Pass::Forward | Pass::Dq => p.batch * p.heads * p.m.div_ceil(TILE_Q),
+                    Pass::Dkdv => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
+                };
+                let slices = if pass == Pass::Dkdv && head_tile > 128 {
+                    2
+                } else {
+                    1
+                };
+                LaunchConfig {
+                    grid_dim: (blocks as u32, slices, 1),
+                    block_dim: (TC_THREADS, 1, 1),
+                    shared_mem_bytes,
+                }
+            }
+            Path::Rows => {
+                let rows = match pass {
+                    Pass::Forward | Pass::Dq => p.batch * p.heads * p.m,
+                    Pass::Dkdv => p.batch * p.kv_heads * p.n,
+                };
+                LaunchConfig {
+                    grid_dim: (rows.div_ceil(ROW_WARPS) as u32, 1, 1),
+                    block_dim: ((ROW_WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes,
+                }
+            }
+        }
+    }
+}
+
+fn check_grid(p: &Problem) -> Result<()> {
+    let blocks = (p.batch * p.heads * p.m.div_ceil(TILE_Q))
+        .max(p.batch * p.kv_heads * p.n.div_ceil(TILE_K))
+        .max((p.batch * p.heads * p.m).div_ceil(ROW_WARPS))
+        .max((p.batch * p.kv_heads * p.n).div_ceil(ROW_WARPS));
+    if blocks > i32::MAX as usize {
+        bail!("{OP}: the problem needs {blocks} blocks, more than a CUDA grid holds");
+    }
+    Ok(())
+}
+
+/// The forward: the output `[b, h, m, dv]` and the log-sum-exp (f32 `[b, h, m]`).
+pub(super) fn forward(
+    p: &Problem,
+    mask: &DeviceMask,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Tensor)> {
+    let dev = &q.0.device;
+    check_grid(p)?;
+    let rows = p.batch * p.heads * p.m;
+    let lse = alloc_output::<f32>(dev, rows)?;
+    let out = match q.0.dtype() {
+        DType::F16 => forward_typed::<half::f16>(p, mask, q, k, v, &lse)?,
+        DType::BF16 => forward_typed::<half::bf16>(p, mask, q, k, v, &lse)?,
+        DType::F32 => forward_typed::<f32>(p, mask, q, k, v, &lse)?,
+        dtype => bail!("{OP}: unsupported dtype {dtype:?} on CUDA (f16, bf16, f32)"),
+    };
+    let lse = Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone())),
+        (p.batch, p.heads, p.m),
+        BackpropOp::none(),
+        false,
+    );
+    Ok((out, lse))
+}
+
+fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
+    p: &Problem,
+    mask: &DeviceMask,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    lse: &CudaSlice<f32>,
+) -> Result<CudaStorage> {
+    let dev = &q.device;
+    let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
+    if p.batch * p.heads * p.m > 0 {
+        let path = Path::of(p, T::DTYPE);
+        let kernel = path.kernel::<T>(dev, Pass::Forward)?;
+        let cfg = path.config(p, Pass::Forward, T::DTYPE.size_in_bytes());
+        let a = args(p, mask, [ql, kl, vl]);
+        let (qv, kv, vv) = (
+            q.as_cuda_slice::<T>()?.slice(ql.start_offset()..),
+            k.as_cuda_slice::<T>()?.slice(kl.start_offset()..),
+            v.as_cuda_slice::<T>()?.slice(vl.start_offset()..),
+        );
+        let held = hold_all(mask);
+        let views = mask_views(&held)?;
+        // SAFETY: the arguments match `attention_fwd_*(q, k, v, out, lse, states, dense, ids,
+        // args)`. Every element read lies in the operands' layouts (rows below m or n, columns
+        // below d or dv, by the layouts' strides) or in the mask's buffers (tile states of
+        // [mb * mh or batch, row_tiles, col_tiles], dense bytes by their strides, ids of
+        // [batch * seq]); the kernels write rows below m of `out` ([b, h, m, dv]) and `lse`.
+        unsafe {
+            kernel.launch(cfg, |a_| {
+                a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(lse);
+                views.push(a_);
+                a_.arg(&a);
+            })?;
+        }
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
+/// `grad_out` `[b, h, m, dv]` contiguous; `lse` and `delta` (rowsum(dO * O)) f32 `[b, h, m]`.
+pub(super) fn backward(
+    p: &Problem,
+    mask: &DeviceMask,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    grad_out: &Tensor,
+    lse: &Tensor,
+    delta: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    check_grid(p)?;
+    match q.dtype() {
+        DType::F16 => backward_typed::<half::f16>(p, mask, (q, k, v), grad_out, lse, delta),
+        DType::BF16 => backward_typed::<half::bf16>(p, mask, (q, k, v), grad_out, lse, delta),
+        DType::F32 => backward_typed::<f32>(p, mask, (q, k, v), grad_out, lse, delta),
+        dtype => bail!("{OP}: unsupported dtype {dtype:?} on CUDA (f16, bf16, f32)"),
+    }
+}
+
+fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
+    p: &Problem,
+    mask: &DeviceMask,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    grad_out: &Tensor,
+    lse: &Tensor,
+    delta: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let candle_core::Device::Cuda(dev) = q.device() else {
+        bail!("{OP}: internal error, the CUDA backward got CPU tensors");
+    };
+    let dq = alloc_output::<T>(dev, q.elem_count())?;
+    let dk = alloc_output::<T>(dev, k.elem_count())?;
+    let dv = alloc_output::<T>(dev, v.elem_count())?;
+    let path = Path::of(p, T::DTYPE);
+    let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
+    let (hq, hk, hv) = (Held::new(q), Held::new(k), Held::new(v));
+    let (hg, hl, hd) = (Held::new(grad_out), Held::new(lse), Held::new(delta));
+    let (qv, kv, vv, gv) = (
+        hq.view::<T>()?,
+        hk.view::<T>()?,
+        hv.view::<T>()?,
+        hg.view::<T>()?,
+    );
+    let (lv, dlv) = (hl.view::<f32>()?, hd.view::<f32>()?);
+    let held = hold_all(mask);
+    let views = mask_views(&held)?;
+    let elem = T::DTYPE.size_in_bytes();
+    if p.batch * p.heads * p.m > 0 {
+        let kernel = path.kernel::<T>(dev, Pass::Dq)?;
+        // SAFETY: the arguments match `attention_dq_*(q, k, v, grad_out, lse, delta, dq, states,
+        // dense, ids, args)`; reads as in the forward plus rows below m of grad_out, lse and
+        // delta (contiguous); writes rows below m of dq ([b, h, m, d], contiguous).
+        unsafe {
+            kernel.launch(path.config(p, Pass::Dq, elem), |a_| {
+                a_.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(&lv)
+                    .arg(&dlv)
+                    .arg(&dq);
+                views.push(a_);
+                a_.arg(&a);
+            })?;
+        }
+    }
+    if p.batch * p.kv_heads * p.n > 0 {
+        let kernel = path.kernel::<T>(dev, Pass::Dkdv)?;
+        // SAFETY: as for dq; writes rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]),
+        // both contiguous.
+        unsafe {
+            kernel.launch(path.config(p, Pass::Dkdv, elem), |a_| {
+                a_.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(&lv)
+                    .arg(&dlv)
+                    .arg(&dk)
+                    .arg(&dv);
+                views.push(a_);
+                a_.arg(&a);
+            })?;
+        }
+    }
+    let wrap = |s: CudaSlice<T>, like: &Tensor| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+            like.dims(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)))
+}

@@ -1,0 +1,733 @@
+// masked_attention: FlashAttention-2's algorithm (an online softmax over key tiles; a backward
+// that recomputes the probabilities from the saved log-sum-exp) with the tiles a mask hides
+// skipped and the tiles it keeps whole taken without per-element masking.
+//
+// Tensor-core kernels (f16 / bf16 operands, f32 accumulation and softmax statistics, mma.sync
+// m16n8k16, sm_80 and up): a block of WARPS warps takes a tile of 64 queries (forward, dq) or 64
+// keys (dk / dv), a warp 16 rows of it. Head dims are padded with zeros to D (64, 128 or 256) in
+// shared memory; the host pads the operands to a multiple of 8 and needs unit column strides and
+// 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
+// their products (as FlashAttention does); everything else stays f32.
+// f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
+// The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
+// the query tiles of every query head of its group): no atomics, identical bits run to run.
+#include "common.cuh"
+
+using namespace fastops;
+namespace AC = fastops_constants::attention;
+
+namespace {
+
+constexpr int BQ = AC::TILE_Q;
+constexpr int BK = AC::TILE_K;
+constexpr int THREADS = AC::WARPS * 32;
+constexpr int ROW_WARPS = AC::ROW_WARPS;
+static_assert(BQ == AC::WARPS * 16 && BK == AC::WARPS * 16, "a warp per 16 rows of a tile");
+static_assert(BK == 64, "a warp's score tile is 16 x 64: 8 accumulator tiles, 4 k-steps of P");
+constexpr uint8_t TILE_EMPTY = fastops_constants::matmul::TILE_EMPTY;
+constexpr uint8_t TILE_FULL = fastops_constants::matmul::TILE_FULL;
+constexpr uint8_t TILE_PARTIAL = fastops_constants::matmul::TILE_PARTIAL;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+}  // namespace
+
+struct MaskArgs {
+    int64_t dense_strides[4];                         // batch, head, query, key (0 where broadcast)
+    int64_t states_batch_stride, states_head_stride;  // in tiles (0 where broadcast)
+    int64_t window;                                   // MASK_WINDOW: keys per query, at most m + n + 1
+    int32_t kind, doc_causal;
+};
+static_assert(sizeof(MaskArgs) == 64, "MaskArgs is mirrored by a Rust #[repr(C)] struct of 64 bytes");
+
+struct AttentionArgs {
+    int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, row (elements; columns are unit-stride)
+    int64_t batch, heads, kv_heads, m, n, d, dv;
+    int64_t row_tiles, col_tiles;                      // of 64 queries, of 64 keys
+    float scale, scale_log2;                           // scale, scale * log2(e)
+    MaskArgs mask;
+};
+static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
+
+namespace {
+
+// Which keys each query sees, for one batch entry. Tile states come from the formula of a generated
+// mask or from the host's per-tile states (documents, dense); a tile that reaches past m or n is
+// never full, so a full tile needs no check at all.
+struct MaskView {
+    const AttentionArgs& a;
+    const uint8_t* states;
+    const uint8_t* dense;
+    const int64_t* ids;
+    int64_t b;
+
+    __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
+        const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
+        const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
+        const int64_t offset = a.n - a.m;
+        uint8_t state;
+        switch (a.mask.kind) {
+        case AC::MASK_FULL: state = TILE_FULL; break;
+        case AC::MASK_CAUSAL:
+            state = c0 > r1 + offset ? TILE_EMPTY : (c1 <= r0 + offset ? TILE_FULL : TILE_PARTIAL);
+            break;
+        case AC::MASK_WINDOW: {
+            const int64_t i0 = r0 + offset, i1 = r1 + offset, w = a.mask.window;
+            state = (c0 > i1 || c1 <= i0 - w) ? TILE_EMPTY : ((c1 <= i0 && c0 > i1 - w) ? TILE_FULL : TILE_PARTIAL);
+            break;
+        }
+        default:
+            state = states[b * a.mask.states_batch_stride + h * a.mask.states_head_stride + qt * a.col_tiles + kt];
+        }
+        if (state == TILE_FULL && (c0 + BK > a.n || r0 + BQ > a.m)) state = TILE_PARTIAL;
+        return state;
+    }
+
+    // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
+    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const {
+        if (i >= a.m || j >= a.n) return false;
+        const int64_t pos = i + a.n - a.m;
+        switch (a.mask.kind) {
+        case AC::MASK_FULL: return true;
+        case AC::MASK_CAUSAL: return j <= pos;
+        case AC::MASK_WINDOW: return j <= pos && pos - j < a.mask.window;
+        case AC::MASK_DOCUMENTS: {
+            const int64_t* row = ids + b * a.m;
+            return row[i] == row[j] && (!a.mask.doc_causal || j <= i);
+        }
+        default: {
+            const int64_t* s = a.mask.dense_strides;
+            return dense[b * s[0] + h * s[1] + i * s[2] + j * s[3]] != 0;
+        }
+        }
+    }
+};
+
+// The natural log-sum-exp of a row as the backward uses it: in log2 units, +inf for a row that
+// sees no key (or lies past m), so that exp2(x - it) is 0.
+__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool valid) {
+    if (!valid) return INFINITY;
+    const float l = lse[row];
+    return l == -INFINITY ? INFINITY : l * LOG2E;
+}
+
+// ---- Tensor-core pieces. A warp's accumulator tile of 16 rows x 8 columns holds, in lane
+// (g = lane / 4, t = lane % 4), rows g and g + 8, columns 2t and 2t + 1: element r of the four
+// is at row g + (r / 2) * 8, column 2t + (r % 2).
+
+// Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major global tile
+// into a 64 x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int64_t rows, int64_t cols) {
+    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < 64 * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        const bool valid = r < rows && col < cols;
+        cp_async16(shared_address(tile + r * LD + col), valid ? src + r * row_stride + col : src, valid ? 16 : 0);
+    }
+}
+
+// A fragment (16 rows from r0 x 16 columns from k0) of a row-major [row][k] shared tile.
+template <typename T, int LD>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+    ldmatrix_x4<false>(a, shared_address(tile + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
+}
+
+// B fragments of two 8-column tiles (n0 and n0 + 8; b[0..1] and b[2..3]), k from k0, of a shared
+// tile stored [n][k].
+template <typename T, int LD>
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const T* tile, int n0, int k0, int lane) {
+    ldmatrix_x4<false>(b, shared_address(tile + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + k0 + ((lane >> 3) & 1) * 8));
+}
+
+// The same from a shared tile stored [k][n].
+template <typename T, int LD>
+__device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const T* tile, int k0, int n0, int lane) {
+    ldmatrix_x4<true>(b, shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
+}
+
+// acc (16 x 64) = rows r0.. of `a_tile` . rows 0..63 of `b_tile`ᵀ, over the first k_len columns
+// (rounded up to 16; the padding is zero).
+template <typename T, int K, int LD>
+__device__ __forceinline__ void product_abt(float (&acc)[8][4], const T* a_tile, int r0, const T* b_tile, int64_t k_len,
+                                            int lane) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        if (kk * 16 < k_len) {
+            uint32_t a[4];
+            load_a<T, LD>(a, a_tile, r0, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                uint32_t b[4];
+                load_b<T, LD>(b, b_tile, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc[2 * np], a, b[0], b[1]);
+                mma_m16n8k16<T>(acc[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc (16 x N) += p (16 x 64, A fragments) . rows 0..63 of `b_tile` (stored [k][n]), over the
+// first n_len columns (rounded up to 16).
+template <typename T, int N, int LD>
+__device__ __forceinline__ void product_pb(float (&acc)[N / 8][4], const uint32_t (&p)[4][4], const T* b_tile,
+                                           int64_t n_len, int lane) {
+#pragma unroll
+    for (int dt = 0; dt < N / 16; ++dt) {
+        if (dt * 16 < n_len) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                uint32_t b[4];
+                load_b_trans<T, LD>(b, b_tile, kk * 16, dt * 16, lane);
+                mma_m16n8k16<T>(acc[2 * dt], p[kk], b[0], b[1]);
+                mma_m16n8k16<T>(acc[2 * dt + 1], p[kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y) {
+    uint32_t r;
+    from_float2<T>(reinterpret_cast<T*>(&r), x, y);
+    return r;
+}
+
+// The A fragments (16 x 64, four k-steps of 16) of an accumulator tile, rounded to T.
+template <typename T> __device__ __forceinline__ void to_a_fragments(uint32_t (&p)[4][4], const float (&s)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        p[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        p[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        p[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        p[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
+// Writes rows [0, 16) of a warp's accumulator (times `factor`) to rows row0.. of a contiguous
+// [rows, cols] output, rows below `rows` and columns below `cols` only.
+template <typename T, int N>
+__device__ __forceinline__ void store_rows(T* out, const float (&acc)[N / 8][4], int64_t row0, int64_t rows, int64_t cols,
+                                           float factor0, float factor1, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + g + half * 8;
+        if (row >= rows) continue;
+        const float f = half ? factor1 : factor0;
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt) {
+            const int col = nt * 8 + 2 * t;
+            if (col < cols) from_float2<T>(out + row * cols + col, acc[nt][2 * half] * f, acc[nt][2 * half + 1] * f);
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Shared tiles: 64 x (D + ROW_PAD) elements each. D = 256 keeps one stage of the streamed
+// operands (so that sm_80's 163 KiB hold the backward), smaller D two.
+template <int D> __host__ __device__ constexpr int stages() { return D > 128 ? 1 : 2; }
+template <typename T, int D> __host__ __device__ constexpr int tile_elements() { return 64 * (D + AC::ROW_PAD); }
+
+// The software pipeline of every tensor-core kernel: `load(item, stage)` issues a stage's
+// asynchronous copies, `work(item, stage)` consumes it; `next(item)` is the next item to do
+// (>= end when none). Copies of the next item overlap the work on this one when two stages exist.
+template <int STAGES, class Next, class Load, class Work>
+__device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next, Load&& load, Work&& work) {
+    int64_t item = first;
+    if (item < end) load(item, 0);
+    cp_async_commit();
+    int stage = 0;
+    while (item < end) {
+        const int64_t following = next(item);
+        if constexpr (STAGES == 2) {
+            if (following < end) load(following, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        work(item, stage);
+        __syncthreads();
+        if constexpr (STAGES == 1) {
+            if (following < end) load(following, 0);
+            cp_async_commit();
+        } else {
+            stage ^= 1;
+        }
+        item = following;
+    }
+    cp_async_wait<0>();
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                           T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
+                                           const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
+    extern __shared__ uint4 shared_raw[];
+    T* sq = reinterpret_cast<T*>(shared_raw);
+    T* sk = sq + E;          // S stages
+    T* sv = sq + (1 + S) * E;  // S stages
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t heads_total = a.batch * a.heads;
+    const int64_t block = blockIdx.x;
+    const int64_t qt = a.row_tiles - 1 - block / heads_total;  // the longest rows first (causal masks)
+    const int64_t bh = block % heads_total, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
+    const MaskView mask{a, states, dense, ids, b};
+    const int64_t i0 = qt * BQ;
+    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2], a.q_strides[2],
+                    min(static_cast<int64_t>(BQ), a.m - i0), a.d);
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) o[nt][r] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+    auto next = [&](int64_t kt) {
+        do ++kt;
+        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
+        return kt;
+    };
+    auto load = [&](int64_t kt, int stage) {
+        const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
+        load_tile<T, D>(sk + stage * E, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+        load_tile<T, D>(sv + stage * E, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+    };
+    auto work = [&](int64_t kt, int stage) {
+        float s[8][4];
+        product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
+        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                float x = s[nt][r] * a.scale_log2;
+                if (partial && !mask.keeps(h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1))) x = -INFINITY;
+                s[nt][r] = x;
+                tile_max[r >> 1] = fmaxf(tile_max[r >> 1], x);
+            }
+        float base[2], alpha[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
+            base[half] = new_max == -INFINITY ? 0.f : new_max;
+            alpha[half] = exp2f(row_max[half] - base[half]);
+            row_max[half] = new_max;
+            row_sum[half] *= alpha[half];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float p = exp2f(s[nt][r] - base[r >> 1]);
+                s[nt][r] = p;
+                row_sum[r >> 1] += p;
+            }
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) o[nt][r] *= alpha[r >> 1];
+        uint32_t p[4][4];
+        to_a_fragments<T>(p, s);
+        product_pb<T, D, LD>(o, p, sv + stage * E, a.dv, lane);
+    };
+    int64_t first = 0;
+    while (first < a.col_tiles && mask.tile_state(h, qt, first) == TILE_EMPTY) ++first;
+    pipeline<S>(first, a.col_tiles, next, load, work);
+
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float sum = quad_sum(row_sum[half]);
+        inv[half] = sum > 0.f ? 1.f / sum : 0.f;
+        const int64_t row = i0 + warp * 16 + g + half * 8;
+        if (t == 0 && row < a.m) lse[bh * a.m + row] = sum > 0.f ? (row_max[half] + log2f(sum)) * LN2 : -INFINITY;
+    }
+    store_rows<T, D>(out + bh * a.m * a.dv, o, i0 + warp * 16, a.m, a.dv, inv[0], inv[1], lane);
+}
+
+// dq = scale * sum over keys of dS K, dS = P * (dO Vᵀ - delta), per query tile.
+template <typename T, int D>
+__device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                      const T* __restrict__ grad_out, const float* __restrict__ lse,
+                                      const float* __restrict__ delta, T* __restrict__ dq, const uint8_t* states,
+                                      const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
+    extern __shared__ uint4 shared_raw[];
+    T* sq = reinterpret_cast<T*>(shared_raw);
+    T* sdo = sq + E;
+    T* sk = sq + 2 * E;        // S stages
+    T* sv = sq + (2 + S) * E;  // S stages
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t heads_total = a.batch * a.heads;
+    const int64_t block = blockIdx.x;
+    const int64_t qt = a.row_tiles - 1 - block / heads_total;
+    const int64_t bh = block % heads_total, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
+    const MaskView mask{a, states, dense, ids, b};
+    const int64_t i0 = qt * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
+    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2], a.q_strides[2], rows, a.d);
+    load_tile<T, D>(sdo, grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int64_t row = i0 + warp * 16 + g + half * 8;
+        row_lse[half] = lse_log2(lse, bh * a.m + row, row < a.m);
+        row_delta[half] = row < a.m ? delta[bh * a.m + row] : 0.f;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+
+    auto next = [&](int64_t kt) {
+        do ++kt;
+        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
+        return kt;
+    };
+    auto load = [&](int64_t kt, int stage) {
+        const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
+        load_tile<T, D>(sk + stage * E, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+        load_tile<T, D>(sv + stage * E, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+    };
+    auto work = [&](int64_t kt, int stage) {
+        float s[8][4], dp[8][4];
+        product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
+        product_abt<T, D, LD>(dp, sdo, warp * 16, sv + stage * E, a.dv, lane);
+        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const bool keep = !partial || mask.keeps(h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1));
+                const float p = keep ? exp2f(s[nt][r] * a.scale_log2 - row_lse[r >> 1]) : 0.f;
+                s[nt][r] = p * (dp[nt][r] - row_delta[r >> 1]);
+            }
+        uint32_t ds[4][4];
+        to_a_fragments<T>(ds, s);
+        product_pb<T, D, LD>(acc, ds, sk + stage * E, a.d, lane);
+    };
+    int64_t first = 0;
+    while (first < a.col_tiles && mask.tile_state(h, qt, first) == TILE_EMPTY) ++first;
+    pipeline<S>(first, a.col_tiles, next, load, work);
+    store_rows<T, D>(dq + bh * a.m * a.d, acc, i0 + warp * 16, a.m, a.d, a.scale, a.scale, lane);
+}
+
+// dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
+// of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both.
+template <typename T, int D, int PARTS>
+__device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                        const T* __restrict__ grad_out, const float* __restrict__ lse,
+                                        const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                        const uint8_t* states, const uint8_t* dense, const int64_t* ids,
+                                        const AttentionArgs& a) {
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
+    extern __shared__ uint4 shared_raw[];
+    T* sk = reinterpret_cast<T*>(shared_raw);
+    T* sv = sk + E;
+    T* sq = sk + 2 * E;         // S stages
+    T* sdo = sk + (2 + S) * E;  // S stages
+    float* s_lse = reinterpret_cast<float*>(sk + (2 + 2 * S) * E);  // [S][BQ]
+    float* s_delta = s_lse + S * BQ;                                // [S][BQ]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t kv_total = a.batch * a.kv_heads;
+    const int64_t block = blockIdx.x;
+    const int64_t kt = block / kv_total;  // the key tiles most queries see first (causal masks)
+    const int64_t bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
+    const MaskView mask{a, states, dense, ids, b};
+    const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
+    load_tile<T, D>(sk, k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+    load_tile<T, D>(sv, v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+
+    float acc_dk[(PARTS & 2) ? D / 8 : 1][4], acc_dv[(PARTS & 1) ? D / 8 : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            if constexpr ((PARTS & 2) != 0) acc_dk[nt][r] = 0.f;
+            if constexpr ((PARTS & 1) != 0) acc_dv[nt][r] = 0.f;
+        }
+
+    // Items: (query head - h0) * row_tiles + query tile.
+    const int64_t end = group * a.row_tiles;
+    auto empty = [&](int64_t item) {
+        return mask.tile_state(h0 + item / a.row_tiles, item % a.row_tiles, kt) == TILE_EMPTY;
+    };
+    auto next = [&](int64_t item) {
+        do ++item;
+        while (item < end && empty(item));
+        return item;
+    };
+    auto load = [&](int64_t item, int stage) {
+        const int64_t h = h0 + item / a.row_tiles, i0 = (item % a.row_tiles) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
+        const int64_t bh = b * a.heads + h;
+        load_tile<T, D>(sq + stage * E, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
+                        a.q_strides[2], rows, a.d);
+        load_tile<T, D>(sdo + stage * E, grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+        for (int r = threadIdx.x; r < BQ; r += THREADS) {
+            s_lse[stage * BQ + r] = lse_log2(lse, bh * a.m + i0 + r, r < rows);
+            s_delta[stage * BQ + r] = r < rows ? delta[bh * a.m + i0 + r] : 0.f;
+        }
+    };
+    auto work = [&](int64_t item, int stage) {
+        const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
+        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        float s[8][4];  // Sᵀ: rows are keys, columns queries
+        product_abt<T, D, LD>(s, sk, warp * 16, sq + stage * E, a.d, lane);
+        const int64_t key = j0 + warp * 16 + g;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int col = nt * 8 + 2 * t + (r & 1);
+                const bool keep = !partial || mask.keeps(h, i0 + col, key + (r >> 1) * 8);
+                s[nt][r] = keep ? exp2f(s[nt][r] * a.scale_log2 - s_lse[stage * BQ + col]) : 0.f;
+            }
+        if constexpr ((PARTS & 1) != 0) {
+            uint32_t p[4][4];
+            to_a_fragments<T>(p, s);
+            product_pb<T, D, LD>(acc_dv, p, sdo + stage * E, a.dv, lane);
+        }
+        if constexpr ((PARTS & 2) != 0) {
+            float dp[8][4];
+            product_abt<T, D, LD>(dp, sv, warp * 16, sdo + stage * E, a.dv, lane);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int col = nt * 8 + 2 * t + (r & 1);
+                    s[nt][r] *= dp[nt][r] - s_delta[stage * BQ + col];
+                }
+            uint32_t ds[4][4];
+            to_a_fragments<T>(ds, s);
+            product_pb<T, D, LD>(acc_dk, ds, sq + stage * E, a.d, lane);
+        }
+    };
+    int64_t first = 0;
+    while (first < end && empty(first)) ++first;
+    pipeline<S>(first, end, next, load, work);
+    const int64_t row0 = j0 + warp * 16;
+    if constexpr ((PARTS & 2) != 0)
+        store_rows<T, D>(dk + bhk * a.n * a.d, acc_dk, row0, a.n, a.d, a.scale, a.scale, lane);
+    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(dv + bhk * a.n * a.dv, acc_dv, row0, a.n, a.dv, 1.f, 1.f, lane);
+}
+
+// ---- f32: a warp per row, a lane per 8 columns (lane + 32 e), dot products reduced across the warp.
+
+constexpr int PER_LANE = 8;  // 256 / 32
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_row(float (&r)[PER_LANE], const T* src, int64_t cols, int lane) {
+#pragma unroll
+    for (int e = 0; e < PER_LANE; ++e) {
+        const int64_t c = lane + 32 * e;
+        r[e] = c < cols ? to_float(src[c]) : 0.f;
+    }
+}
+
+__device__ __forceinline__ float dot(const float (&x)[PER_LANE], const float (&y)[PER_LANE]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < PER_LANE; ++e) s = fmaf(x[e], y[e], s);
+    return warp_sum(s);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_row(T* dst, const float (&r)[PER_LANE], float factor, int64_t cols, int lane) {
+#pragma unroll
+    for (int e = 0; e < PER_LANE; ++e) {
+        const int64_t c = lane + 32 * e;
+        if (c < cols) dst[c] = from_float<T>(r[e] * factor);
+    }
+}
+
+// Calls visit(j) for every key j query i of head h sees, in order.
+template <class Visit>
+__device__ __forceinline__ void for_visible_keys(const MaskView& mask, int64_t h, int64_t i, Visit&& visit) {
+    const AttentionArgs& a = mask.a;
+    const int64_t qt = i / BQ;
+    for (int64_t kt = 0; kt < a.col_tiles; ++kt) {
+        const uint8_t state = mask.tile_state(h, qt, kt);
+        if (state == TILE_EMPTY) continue;
+        const int64_t end = min(kt * BK + BK, a.n);
+        for (int64_t j = kt * BK; j < end; ++j)
+            if (state == TILE_FULL || mask.keeps(h, i, j)) visit(j);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void forward_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                             T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
+                                             const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+    if (row >= a.batch * a.heads * a.m) return;
+    const int64_t bh = row / a.m, i = row % a.m, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
+    const MaskView mask{a, states, dense, ids, b};
+    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    float qr[PER_LANE], o[PER_LANE] = {}, vr[PER_LANE], kr[PER_LANE];
+    load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
+    float mx = -INFINITY, sum = 0.f;
+    for_visible_keys(mask, h, i, [&](int64_t j) {
+        load_row(kr, k_head + j * a.k_strides[2], a.d, lane);
+        load_row(vr, v_head + j * a.v_strides[2], a.dv, lane);
+        const float x = dot(qr, kr) * a.scale_log2;
+        const float new_max = fmaxf(mx, x), alpha = exp2f(mx - new_max), p = exp2f(x - new_max);
+        sum = sum * alpha + p;
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) o[e] = fmaf(p, vr[e], o[e] * alpha);
+        mx = new_max;
+    });
+    store_row(out + row * a.dv, o, sum > 0.f ? 1.f / sum : 0.f, a.dv, lane);
+    if (lane == 0) lse[row] = sum > 0.f ? (mx + log2f(sum)) * LN2 : -INFINITY;
+}
+
+template <typename T>
+__device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                        const T* __restrict__ grad_out, const float* __restrict__ lse,
+                                        const float* __restrict__ delta, T* __restrict__ dq, const uint8_t* states,
+                                        const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+    if (row >= a.batch * a.heads * a.m) return;
+    const int64_t bh = row / a.m, i = row % a.m, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
+    const MaskView mask{a, states, dense, ids, b};
+    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    float qr[PER_LANE], gr[PER_LANE], kr[PER_LANE], vr[PER_LANE], acc[PER_LANE] = {};
+    load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
+    load_row(gr, grad_out + row * a.dv, a.dv, lane);
+    const float row_lse = lse_log2(lse, row, true), row_delta = delta[row];
+    for_visible_keys(mask, h, i, [&](int64_t j) {
+        load_row(kr, k_head + j * a.k_strides[2], a.d, lane);
+        load_row(vr, v_head + j * a.v_strides[2], a.dv, lane);
+        const float p = exp2f(dot(qr, kr) * a.scale_log2 - row_lse);
+        const float ds = p * (dot(gr, vr) - row_delta);
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) acc[e] = fmaf(ds, kr[e], acc[e]);
+    });
+    store_row(dq + row * a.d, acc, a.scale, a.d, lane);
+}
+
+template <typename T>
+__device__ __forceinline__ void dkdv_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                          const T* __restrict__ grad_out, const float* __restrict__ lse,
+                                          const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                          const uint8_t* states, const uint8_t* dense, const int64_t* ids,
+                                          const AttentionArgs& a) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+    if (row >= a.batch * a.kv_heads * a.n) return;
+    const int64_t bhk = row / a.n, j = row % a.n, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t group = a.heads / a.kv_heads, kt = j / BK;
+    const MaskView mask{a, states, dense, ids, b};
+    float kr[PER_LANE], vr[PER_LANE], qr[PER_LANE], gr[PER_LANE], acc_k[PER_LANE] = {}, acc_v[PER_LANE] = {};
+    load_row(kr, k + b * a.k_strides[0] + hk * a.k_strides[1] + j * a.k_strides[2], a.d, lane);
+    load_row(vr, v + b * a.v_strides[0] + hk * a.v_strides[1] + j * a.v_strides[2], a.dv, lane);
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const int64_t bh = b * a.heads + h;
+        for (int64_t qt = 0; qt < a.row_tiles; ++qt) {
+            const uint8_t state = mask.tile_state(h, qt, kt);
+            if (state == TILE_EMPTY) continue;
+            const int64_t end = min(qt * BQ + BQ, a.m);
+            for (int64_t i = qt * BQ; i < end; ++i) {
+                if (state != TILE_FULL && !mask.keeps(h, i, j)) continue;
+                load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
+                load_row(gr, grad_out + (bh * a.m + i) * a.dv, a.dv, lane);
+                const float p = exp2f(dot(qr, kr) * a.scale_log2 - lse_log2(lse, bh * a.m + i, true));
+                const float ds = p * (dot(gr, vr) - delta[bh * a.m + i]);
+#pragma unroll
+                for (int e = 0; e < PER_LANE; ++e) {
+                    acc_v[e] = fmaf(p, gr[e], acc_v[e]);
+                    acc_k[e] = fmaf(ds, qr[e], acc_k[e]);
+                }
+            }
+        }
+    }
+    store_row(dk + row * a.d, acc_k, a.scale, a.d, lane);
+    store_row(dv + row * a.dv, acc_v, 1.f, a.dv, lane);
+}
+
+}  // namespace
+
+// Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
+// dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
+// accumulator) and attention_{fwd,dq,dkdv}_rows_f32.
+#define ATTENTION_TC(T, RUST, D)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+        attention_fwd_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse, const uint8_t* states,   \
+                                    const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                      \
+        forward_tc<T, D>(q, k, v, out, lse, states, dense, ids, a);                                                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+        attention_dq_d##D##_##RUST(const T* q, const T* k, const T* v, const T* grad_out, const float* lse,          \
+                                   const float* delta, T* dq, const uint8_t* states, const uint8_t* dense,           \
+                                   const int64_t* ids, AttentionArgs a) {                                             \
+        dq_tc<T, D>(q, k, v, grad_out, lse, delta, dq, states, dense, ids, a);                                        \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_d##D##_##RUST(                               \
+        const T* q, const T* k, const T* v, const T* grad_out, const float* lse, const float* delta, T* dk, T* dv,    \
+        const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                           \
+        if constexpr (D > 128) {                                                                                      \
+            if (blockIdx.y == 0)                                                                                      \
+                dkdv_tc<T, D, 1>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                       \
+            else                                                                                                      \
+                dkdv_tc<T, D, 2>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                       \
+        } else {                                                                                                      \
+            dkdv_tc<T, D, 3>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                           \
+        }                                                                                                             \
+    }
+
+#define ATTENTION_TC_DIMS(T, RUST) ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256)
+ATTENTION_TC_DIMS(__half, f16)
+ATTENTION_TC_DIMS(__nv_bfloat16, bf16)
+
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_fwd_rows_f32(const float* q, const float* k, const float* v, float* out, float* lse,
+                           const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+    forward_rows<float>(q, k, v, out, lse, states, dense, ids, a);
+}
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_dq_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* lse,
+                          const float* delta, float* dq, const uint8_t* states, const uint8_t* dense,
+                          const int64_t* ids, AttentionArgs a) {
+    dq_rows<float>(q, k, v, grad_out, lse, delta, dq, states, dense, ids, a);
+}
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_dkdv_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* lse,
+                            const float* delta, float* dk, float* dv, const uint8_t* states, const uint8_t* dense,
+                            const int64_t* ids, AttentionArgs a) {
+    dkdv_rows<float>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);
+}
