@@ -131,6 +131,37 @@ impl Bench {
         Ok(())
     }
 
+    /// A row without a baseline (where the baseline does not fit in memory).
+    fn measure(
+        &mut self,
+        op: &'static str,
+        case: &str,
+        dtype: DType,
+        work: Work,
+        ours: impl FnMut() -> Result<()>,
+        why: &str,
+    ) -> Result<()> {
+        let median_us = self.time(ours)?;
+        let (rate, rate_unit) = match work {
+            Work::Bytes(b) => (b / median_us * 1e-3, "GB/s"),
+            Work::Flops(f) => (f / median_us * 1e-6, "TFLOP/s"),
+        };
+        let row = Row {
+            op,
+            case: case.to_string(),
+            dtype,
+            device: self.device_name(),
+            median_us,
+            rate,
+            rate_unit,
+            baseline: why.to_string(),
+            baseline_us: 0.0,
+        };
+        print_row(&row);
+        self.rows.push(row);
+        Ok(())
+    }
+
     fn write_jsonl(&self) -> std::io::Result<std::path::PathBuf> {
         let path = std::env::var("FASTOPS_BENCH_OUT")
             .map(std::path::PathBuf::from)
@@ -898,9 +929,11 @@ fn attention_composite(
 
 fn bench_attention(b: &mut Bench) -> Result<()> {
     const OP: &str = "masked_attention";
-    if !b.wants(OP) || b.device.is_cuda() {
-        // The CUDA kernels come with the next part of the attention issue.
+    if !b.wants(OP) {
         return Ok(());
+    }
+    if b.device.is_cuda() {
+        return bench_attention_cuda(b);
     }
     let dev = b.device.clone();
     // The issue's CPU case: batch 1, 8 heads, 1024 tokens, head dim 64, causal.
@@ -952,6 +985,114 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 .map(drop)
         },
     )?;
+    Ok(())
+}
+
+/// The issue's GPU cases: bf16, batch 4, 16 heads, head dim 128; causal at 4096 and 8192 tokens,
+/// a sliding window of 1024 and causal documents of 1024 tokens at 8192. The composite baseline
+/// (bf16 scores and an additive bf16 mask) runs where it fits: every forward, and the backward at
+/// 4096.
+fn bench_attention_cuda(b: &mut Bench) -> Result<()> {
+    /// Whether query i sees key j.
+    type Visible = dyn Fn(usize, usize) -> bool;
+    const OP: &str = "masked_attention";
+    use candle_fastops::AttentionMask;
+    let dev = b.device.clone();
+    let (batch, heads, d) = (4, 16, 128);
+    let scale = 1.0 / (d as f64).sqrt();
+    let dtype = DType::BF16;
+    for (name, n) in [
+        ("causal", 4096),
+        ("causal", 8192),
+        ("window 1024", 8192),
+        ("documents 1024 causal", 8192),
+    ] {
+        let (mask, visible_pairs, keep): (AttentionMask, usize, Box<Visible>) = match name {
+            "causal" => (
+                AttentionMask::causal(),
+                n * (n + 1) / 2,
+                Box::new(|i, j| j <= i),
+            ),
+            "window 1024" => (
+                AttentionMask::sliding_window(1024),
+                (0..n).map(|i| (i + 1).min(1024)).sum(),
+                Box::new(|i, j| j <= i && i - j < 1024),
+            ),
+            _ => {
+                let ids: Vec<u32> = (0..batch * n).map(|t| ((t % n) / 1024) as u32).collect();
+                let ids = Tensor::from_vec(ids, (batch, n), &dev)?;
+                (
+                    AttentionMask::documents(&ids, true)?,
+                    (n / 1024) * 1024 * 1025 / 2,
+                    Box::new(|i, j| j <= i && i / 1024 == j / 1024),
+                )
+            }
+        };
+        let (q, k, v) = (
+            randn(&[batch, heads, n, d], dtype, &dev)?,
+            randn(&[batch, heads, n, d], dtype, &dev)?,
+            randn(&[batch, heads, n, d], dtype, &dev)?,
+        );
+        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
+        let case = format!("{name} b={batch} h={heads} n={n} d={d}");
+        b.iterations = Some((5, 20));
+        let bias: Vec<half::bf16> = (0..n * n)
+            .map(|x| {
+                if keep(x / n, x % n) {
+                    half::bf16::ZERO
+                } else {
+                    half::bf16::NEG_INFINITY
+                }
+            })
+            .collect();
+        let bias = Tensor::from_vec(bias, (n, n), &dev)?;
+        b.compare(
+            OP,
+            &format!("{case} forward"),
+            dtype,
+            Work::Flops(flops),
+            || candle_fastops::masked_attention(&q, &k, &v, &mask, scale).map(drop),
+            "matmul + mask + softmax + matmul",
+            || attention_composite(&q, &k, &v, &bias, scale).map(drop),
+        )?;
+        let (qv, kv, vv) = (
+            candle_core::Var::from_tensor(&q)?,
+            candle_core::Var::from_tensor(&k)?,
+            candle_core::Var::from_tensor(&v)?,
+        );
+        let ours = || {
+            candle_fastops::masked_attention(&qv, &kv, &vv, &mask, scale)?
+                .backward()
+                .map(drop)
+        };
+        if n <= 4096 {
+            b.compare(
+                OP,
+                &format!("{case} fwd+bwd"),
+                dtype,
+                Work::Flops(3.5 * flops),
+                ours,
+                "the same composite, fwd+bwd",
+                || {
+                    let scores = (qv.matmul(&kv.t()?)? * scale)?.broadcast_add(&bias)?;
+                    candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?
+                        .matmul(&vv)?
+                        .backward()
+                        .map(drop)
+                },
+            )?;
+        } else {
+            b.measure(
+                OP,
+                &format!("{case} fwd+bwd"),
+                dtype,
+                Work::Flops(3.5 * flops),
+                ours,
+                "- (the composite's backward does not fit)",
+            )?;
+        }
+    }
+    b.iterations = None;
     Ok(())
 }
 

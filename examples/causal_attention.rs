@@ -1,12 +1,14 @@
 //! Causal self-attention three ways, checked against each other and timed:
-//! `candle_fastops::masked_attention` (one fused, tiled op; its CUDA kernels are not written yet,
-//! so on a GPU it is skipped), `masked_bmm` + `softmax_dims` (scores with `-inf` above the
+//! `candle_fastops::masked_attention` (one fused, tiled op; on a GPU only with the
+//! `attention-cuda-preview` feature, until its CUDA kernels have passed their GPU tests),
+//! `masked_bmm` + `softmax_dims` (scores with `-inf` above the
 //! diagonal, upper tiles skipped), and the composite a candle user writes today (full matmul,
 //! `where_cond`, softmax).
 //!
 //! ```text
 //! cargo run --release --example causal_attention
 //! cargo run --release --example causal_attention --features cuda
+//! cargo run --release --example causal_attention --features attention-cuda-preview
 //! ```
 
 use anyhow::Result;
@@ -82,7 +84,7 @@ fn main() -> Result<()> {
     let diff = (ours - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
     println!("max |masked_bmm route - composite| = {diff:.2e}");
     anyhow::ensure!(diff < 1e-4, "attention outputs differ by {diff}");
-    if dev.is_cpu() {
+    if dev.is_cpu() || cfg!(feature = "attention-cuda-preview") {
         // masked_attention takes [batch, heads, seq, d].
         let fused = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
             let scale = 1.0 / (head_dim as f64).sqrt();

@@ -26,8 +26,8 @@ bundle="$repo/target/gpu-bundle"
 rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
-echo "gpu-bundle: building tests and bench (release, --features cuda)" >&2
-features=${GPU_BUNDLE_FEATURES:-cuda}
+features=${GPU_BUNDLE_FEATURES:-cuda,attention-cuda-preview}
+echo "gpu-bundle: building tests and bench (release, --features $features)" >&2
 cargo build --release --features "$features" --tests --benches --examples --message-format=json-render-diagnostics \
     > "$bundle/cargo.json"
 python3 - "$bundle" "$@" <<'PY'

@@ -114,7 +114,70 @@ def cases():
         yield ("small_fc_lopt", f"{total / 1e6:.0f}M/{len(params)} AdamW", "f32", "torch.optim.AdamW(fused=True).step",
                opt.step)
 
-    for family in (bias_add, softmax, sparse_linear, masked_bmm, kmeans, optimizer):
+    def attention():
+        # The bench's cases: bf16, batch 4, 16 heads, head dim 128. SDPA's flash and cuDNN backends
+        # for causal masks, FlexAttention (compiled, with a block mask) for every mask, and the
+        # bool-mask SDPA a user without FlexAttention writes for the sparse masks.
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention)
+        b, h, d = 4, 16, 128
+
+        def causal(b_, h_, qi, kj):
+            return qi >= kj
+
+        def window(b_, h_, qi, kj):
+            return (qi >= kj) & (qi - kj < 1024)
+
+        def documents(b_, h_, qi, kj):
+            return (qi >= kj) & (qi // 1024 == kj // 1024)
+
+        for name, n, mask_mod in (("causal", 4096, causal), ("causal", 8192, causal),
+                                  ("window 1024", 8192, window), ("documents 1024 causal", 8192, documents)):
+            q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+            grad = torch.randn(b, h, n, d, device=dev, dtype=bf16)
+            case = f"{name} b={b} h={h} n={n} d={d}"
+
+            def forward(f):
+                def run():
+                    with torch.no_grad():
+                        return f()
+                return run
+
+            def fwd_bwd(f):
+                def run():
+                    q.grad = k.grad = v.grad = None
+                    f().backward(grad)
+                return run
+
+            variants = []
+            if name == "causal":
+                for backend, label in ((SDPBackend.FLASH_ATTENTION, "SDPA flash"),
+                                       (SDPBackend.CUDNN_ATTENTION, "SDPA cuDNN")):
+                    def sdpa(backend=backend):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    variants.append((label, sdpa))
+            else:
+                qi = torch.arange(n, device=dev)[:, None]
+                kj = torch.arange(n, device=dev)[None, :]
+                bool_mask = mask_mod(None, None, qi, kj)
+
+                def masked(bool_mask=bool_mask):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+                variants.append(("SDPA bool mask", masked))
+            block_mask = create_block_mask(mask_mod, None, None, n, n, device=dev)
+
+            def flexed(block_mask=block_mask):
+                return flex(q, k, v, block_mask=block_mask)
+            variants.append(("FlexAttention (compiled)", flexed))
+            for label, f in variants:
+                yield "masked_attention", f"{case} forward", "bf16", label, forward(f)
+                yield "masked_attention", f"{case} fwd+bwd", "bf16", label + ", autograd", fwd_bwd(f)
+
+    for family in (bias_add, softmax, sparse_linear, masked_bmm, kmeans, optimizer, attention):
         yield from family()
 
 

@@ -9,6 +9,7 @@ use super::mask::{Kind, TileData};
 use super::{AttentionMask, Problem, OP};
 use crate::cuda::{alloc_output, Kernel, Module};
 use crate::kernel_constants::attention as C;
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
@@ -17,7 +18,6 @@ use candle_core::op::BackpropOp;
 use candle_core::{
     bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor, WithDType,
 };
-use candle_core::backend::BackendStorage;
 use std::ops::Deref;
 
 /// Mirrors `MaskArgs` in `src/cuda/attention.cu`.
@@ -72,7 +72,7 @@ pub(super) fn operand_ok(layout: &Layout, dtype: DType) -> bool {
     if dtype == DType::F32 {
         return unit_columns;
     }
-    let aligned = |x: usize| x % 8 == 0;
+    let aligned = |x: usize| x.is_multiple_of(8);
     unit_columns
         && aligned(layout.start_offset())
         && (0..3).all(|i| dims[i] <= 1 || aligned(strides[i]))

@@ -18,6 +18,9 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use std::sync::{Arc, Mutex};
 
 const OP: &str = "masked_attention";
+/// The error of attention on a GPU without the `attention-cuda-preview` feature.
+const CUDA_NOT_VALIDATED: &str = "the CUDA kernels have not passed their GPU tests yet; build \
+     with the `attention-cuda-preview` feature to try them, or run attention on the CPU";
 /// The largest head dimension.
 const MAX_HEAD_DIM: usize = 256;
 
@@ -143,6 +146,9 @@ fn attention(
     let p = problem(q, k, v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if q.device().is_cuda() {
+        if !cfg!(feature = "attention-cuda-preview") {
+            bail!("{OP}: {CUDA_NOT_VALIDATED}");
+        }
         return cuda_attention(q, k, v, mask, p);
     }
     let saved = SavedLse::default();
@@ -494,7 +500,7 @@ impl CustomOp3 for Attention {
         let p = &self.p;
         for (name, layout) in [("q", q_layout), ("k", k_layout), ("v", v_layout)] {
             let dtype = candle_core::backend::BackendStorage::dtype(q);
-            if !cuda::operand_ok(layout, dtype) || layout.dims()[3] % 8 != 0 {
+            if !cuda::operand_ok(layout, dtype) || !layout.dims()[3].is_multiple_of(8) {
                 bail!("{OP}: internal error, {name} reached the kernels unprepared ({layout:?})");
             }
         }
