@@ -111,23 +111,7 @@ impl Bench {
     ) -> Result<()> {
         let median_us = self.time(ours)?;
         let baseline_us = self.time(baseline)?;
-        let (rate, rate_unit) = match work {
-            Work::Bytes(b) => (b / median_us * 1e-3, "GB/s"),
-            Work::Flops(f) => (f / median_us * 1e-6, "TFLOP/s"),
-        };
-        let row = Row {
-            op,
-            case: case.to_string(),
-            dtype,
-            device: self.device_name(),
-            median_us,
-            rate,
-            rate_unit,
-            baseline: baseline_name.to_string(),
-            baseline_us,
-        };
-        print_row(&row);
-        self.rows.push(row);
+        self.push_row(op, case, dtype, work, median_us, baseline_name, baseline_us);
         Ok(())
     }
 
@@ -142,6 +126,21 @@ impl Bench {
         why: &str,
     ) -> Result<()> {
         let median_us = self.time(ours)?;
+        self.push_row(op, case, dtype, work, median_us, why, 0.0);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_row(
+        &mut self,
+        op: &'static str,
+        case: &str,
+        dtype: DType,
+        work: Work,
+        median_us: f64,
+        baseline: &str,
+        baseline_us: f64,
+    ) {
         let (rate, rate_unit) = match work {
             Work::Bytes(b) => (b / median_us * 1e-3, "GB/s"),
             Work::Flops(f) => (f / median_us * 1e-6, "TFLOP/s"),
@@ -154,12 +153,11 @@ impl Bench {
             median_us,
             rate,
             rate_unit,
-            baseline: why.to_string(),
-            baseline_us: 0.0,
+            baseline: baseline.to_string(),
+            baseline_us,
         };
         print_row(&row);
         self.rows.push(row);
-        Ok(())
     }
 
     fn write_jsonl(&self) -> std::io::Result<std::path::PathBuf> {

@@ -447,43 +447,34 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let held = hold_all(mask);
     let views = mask_views(&held)?;
     let elem = T::DTYPE.size_in_bytes();
-    if p.batch * p.heads * p.m > 0 {
-        let kernel = path.kernel::<T>(dev, Pass::Dq)?;
+    // The two passes share their inputs: q, k, v, grad_out, lse, delta, then their outputs, then
+    // the mask's buffers and the arguments.
+    let run = |pass: Pass, outputs: &[&CudaSlice<T>]| -> Result<()> {
+        let kernel = path.kernel::<T>(dev, pass)?;
         // SAFETY: the arguments match `attention_dq_*(q, k, v, grad_out, lse, delta, dq, states,
-        // dense, ids, args)`; reads as in the forward plus rows below m of grad_out, lse and
-        // delta (contiguous); writes rows below m of dq ([b, h, m, d], contiguous).
+        // dense, ids, args)` and `attention_dkdv_*(..., delta, dk, dv, states, ...)`. Reads are
+        // as in the forward plus rows below m of grad_out, lse and delta (contiguous); dq writes
+        // rows below m of dq ([b, h, m, d]), dkdv rows below n of dk ([b, hk, n, d]) and dv
+        // ([b, hk, n, dv]), all contiguous.
         unsafe {
-            kernel.launch(path.config(p, Pass::Dq, elem), |a_| {
-                a_.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(&lv)
-                    .arg(&dlv)
-                    .arg(&dq);
+            kernel.launch(path.config(p, pass, elem), |a_| {
+                for x in [&qv, &kv, &vv, &gv] {
+                    a_.arg(x);
+                }
+                a_.arg(&lv).arg(&dlv);
+                for out in outputs {
+                    a_.arg(*out);
+                }
                 views.push(a_);
                 a_.arg(&a);
-            })?;
+            })
         }
+    };
+    if p.batch * p.heads * p.m > 0 {
+        run(Pass::Dq, &[&dq])?;
     }
     if p.batch * p.kv_heads * p.n > 0 {
-        let kernel = path.kernel::<T>(dev, Pass::Dkdv)?;
-        // SAFETY: as for dq; writes rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]),
-        // both contiguous.
-        unsafe {
-            kernel.launch(path.config(p, Pass::Dkdv, elem), |a_| {
-                a_.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(&lv)
-                    .arg(&dlv)
-                    .arg(&dk)
-                    .arg(&dv);
-                views.push(a_);
-                a_.arg(&a);
-            })?;
-        }
+        run(Pass::Dkdv, &[&dk, &dv])?;
     }
     let wrap = |s: CudaSlice<T>, like: &Tensor| {
         Tensor::from_storage(

@@ -273,6 +273,49 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
     cp_async_wait<0>();
 }
 
+// The block of a query-tile kernel (forward, dq): its batch entry, head and 64 queries (the
+// longest rows first, for causal masks), and the walk over the key tiles the mask leaves.
+template <typename T, int D> struct QueryTile {
+    const AttentionArgs& a;
+    MaskView mask;
+    int64_t qt, bh, h, i0, rows;
+    const T* q_tile;
+    const T* k_head;
+    const T* v_head;
+
+    __device__ __forceinline__ QueryTile(const AttentionArgs& a_, const T* q, const T* k, const T* v,
+                                         const uint8_t* states, const uint8_t* dense, const int64_t* ids)
+        : a(a_), mask{a_, states, dense, ids, 0} {
+        const int64_t heads_total = a.batch * a.heads, block = blockIdx.x;
+        qt = a.row_tiles - 1 - block / heads_total;
+        bh = block % heads_total;
+        const int64_t b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
+        h = bh % a.heads;
+        mask.b = b;
+        i0 = qt * BQ;
+        rows = min(static_cast<int64_t>(BQ), a.m - i0);
+        q_tile = q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2];
+        k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+        v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    }
+
+    // The first key tile after kt that the mask does not hide (col_tiles when none); next(-1) is
+    // the first of all.
+    __device__ __forceinline__ int64_t next(int64_t kt) const {
+        do ++kt;
+        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
+        return kt;
+    }
+
+    __device__ __forceinline__ bool partial(int64_t kt) const { return mask.tile_state(h, qt, kt) != TILE_FULL; }
+
+    __device__ __forceinline__ void load_kv(int64_t kt, T* sk, T* sv) const {
+        const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
+        load_tile<T, D>(sk, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+        load_tile<T, D>(sv, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+    }
+};
+
 template <typename T, int D>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
@@ -283,16 +326,9 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
     T* sk = sq + E;          // S stages
     T* sv = sq + (1 + S) * E;  // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t heads_total = a.batch * a.heads;
-    const int64_t block = blockIdx.x;
-    const int64_t qt = a.row_tiles - 1 - block / heads_total;  // the longest rows first (causal masks)
-    const int64_t bh = block % heads_total, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const MaskView mask{a, states, dense, ids, b};
-    const int64_t i0 = qt * BQ;
-    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
-    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
-    load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2], a.q_strides[2],
-                    min(static_cast<int64_t>(BQ), a.m - i0), a.d);
+    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
+    const int64_t i0 = tile.i0, bh = tile.bh;
+    load_tile<T, D>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
 
     float o[D / 8][4];
 #pragma unroll
@@ -301,20 +337,12 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
         for (int r = 0; r < 4; ++r) o[nt][r] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-    auto next = [&](int64_t kt) {
-        do ++kt;
-        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
-        return kt;
-    };
-    auto load = [&](int64_t kt, int stage) {
-        const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
-        load_tile<T, D>(sk + stage * E, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
-        load_tile<T, D>(sv + stage * E, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
-    };
+    auto next = [&](int64_t kt) { return tile.next(kt); };
+    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
     auto work = [&](int64_t kt, int stage) {
         float s[8][4];
         product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
-        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        const bool partial = tile.partial(kt);
         const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -322,7 +350,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 float x = s[nt][r] * a.scale_log2;
-                if (partial && !mask.keeps(h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1))) x = -INFINITY;
+                if (partial && !tile.mask.keeps(tile.h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1))) x = -INFINITY;
                 s[nt][r] = x;
                 tile_max[r >> 1] = fmaxf(tile_max[r >> 1], x);
             }
@@ -351,9 +379,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
         to_a_fragments<T>(p, s);
         product_pb<T, D, LD>(o, p, sv + stage * E, a.dv, lane);
     };
-    int64_t first = 0;
-    while (first < a.col_tiles && mask.tile_state(h, qt, first) == TILE_EMPTY) ++first;
-    pipeline<S>(first, a.col_tiles, next, load, work);
+    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
 
     float inv[2];
 #pragma unroll
@@ -379,16 +405,10 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
     T* sk = sq + 2 * E;        // S stages
     T* sv = sq + (2 + S) * E;  // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t heads_total = a.batch * a.heads;
-    const int64_t block = blockIdx.x;
-    const int64_t qt = a.row_tiles - 1 - block / heads_total;
-    const int64_t bh = block % heads_total, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const MaskView mask{a, states, dense, ids, b};
-    const int64_t i0 = qt * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
-    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
-    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
-    load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2], a.q_strides[2], rows, a.d);
-    load_tile<T, D>(sdo, grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
+    const int64_t i0 = tile.i0, bh = tile.bh;
+    load_tile<T, D>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
+    load_tile<T, D>(sdo, grad_out + (bh * a.m + i0) * a.dv, a.dv, tile.rows, a.dv);
 
     float row_lse[2], row_delta[2];
 #pragma unroll
@@ -403,27 +423,19 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
 
-    auto next = [&](int64_t kt) {
-        do ++kt;
-        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
-        return kt;
-    };
-    auto load = [&](int64_t kt, int stage) {
-        const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
-        load_tile<T, D>(sk + stage * E, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
-        load_tile<T, D>(sv + stage * E, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
-    };
+    auto next = [&](int64_t kt) { return tile.next(kt); };
+    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
     auto work = [&](int64_t kt, int stage) {
         float s[8][4], dp[8][4];
         product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
         product_abt<T, D, LD>(dp, sdo, warp * 16, sv + stage * E, a.dv, lane);
-        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        const bool partial = tile.partial(kt);
         const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                const bool keep = !partial || mask.keeps(h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1));
+                const bool keep = !partial || tile.mask.keeps(tile.h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1));
                 const float p = keep ? exp2f(s[nt][r] * a.scale_log2 - row_lse[r >> 1]) : 0.f;
                 s[nt][r] = p * (dp[nt][r] - row_delta[r >> 1]);
             }
@@ -431,9 +443,7 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
         to_a_fragments<T>(ds, s);
         product_pb<T, D, LD>(acc, ds, sk + stage * E, a.d, lane);
     };
-    int64_t first = 0;
-    while (first < a.col_tiles && mask.tile_state(h, qt, first) == TILE_EMPTY) ++first;
-    pipeline<S>(first, a.col_tiles, next, load, work);
+    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
     store_rows<T, D>(dq + bh * a.m * a.d, acc, i0 + warp * 16, a.m, a.d, a.scale, a.scale, lane);
 }
 
@@ -528,9 +538,7 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
             product_pb<T, D, LD>(acc_dk, ds, sq + stage * E, a.d, lane);
         }
     };
-    int64_t first = 0;
-    while (first < end && empty(first)) ++first;
-    pipeline<S>(first, end, next, load, work);
+    pipeline<S>(next(-1), end, next, load, work);
     const int64_t row0 = j0 + warp * 16;
     if constexpr ((PARTS & 2) != 0)
         store_rows<T, D>(dk + bhk * a.n * a.d, acc_dk, row0, a.n, a.d, a.scale, a.scale, lane);
@@ -586,23 +594,44 @@ __device__ __forceinline__ void for_visible_keys(const MaskView& mask, int64_t h
     }
 }
 
+// The query row of a warp of the row kernels (forward, dq); `valid` is false past the last row.
+template <typename T> struct QueryRow {
+    MaskView mask;
+    int64_t row, i, h;
+    bool valid;
+    const T* q_row;
+    const T* k_head;
+    const T* v_head;
+
+    __device__ __forceinline__ QueryRow(const AttentionArgs& a, const T* q, const T* k, const T* v,
+                                        const uint8_t* states, const uint8_t* dense, const int64_t* ids)
+        : mask{a, states, dense, ids, 0} {
+        row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+        valid = row < a.batch * a.heads * a.m;
+        const int64_t r = valid ? row : 0, bh = r / a.m, b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
+        i = r % a.m;
+        h = bh % a.heads;
+        mask.b = b;
+        q_row = q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2];
+        k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
+        v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    }
+};
+
 template <typename T>
 __device__ __forceinline__ void forward_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                              T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                              const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
-    if (row >= a.batch * a.heads * a.m) return;
-    const int64_t bh = row / a.m, i = row % a.m, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const MaskView mask{a, states, dense, ids, b};
-    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
-    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    const QueryRow<T> w(a, q, k, v, states, dense, ids);
+    if (!w.valid) return;
+    const int64_t row = w.row;
     float qr[PER_LANE], o[PER_LANE] = {}, vr[PER_LANE], kr[PER_LANE];
-    load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
+    load_row(qr, w.q_row, a.d, lane);
     float mx = -INFINITY, sum = 0.f;
-    for_visible_keys(mask, h, i, [&](int64_t j) {
-        load_row(kr, k_head + j * a.k_strides[2], a.d, lane);
-        load_row(vr, v_head + j * a.v_strides[2], a.dv, lane);
+    for_visible_keys(w.mask, w.h, w.i, [&](int64_t j) {
+        load_row(kr, w.k_head + j * a.k_strides[2], a.d, lane);
+        load_row(vr, w.v_head + j * a.v_strides[2], a.dv, lane);
         const float x = dot(qr, kr) * a.scale_log2;
         const float new_max = fmaxf(mx, x), alpha = exp2f(mx - new_max), p = exp2f(x - new_max);
         sum = sum * alpha + p;
@@ -620,19 +649,16 @@ __device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __rest
                                         const float* __restrict__ delta, T* __restrict__ dq, const uint8_t* states,
                                         const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
-    if (row >= a.batch * a.heads * a.m) return;
-    const int64_t bh = row / a.m, i = row % a.m, b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const MaskView mask{a, states, dense, ids, b};
-    const T* k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
-    const T* v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
+    const QueryRow<T> w(a, q, k, v, states, dense, ids);
+    if (!w.valid) return;
+    const int64_t row = w.row;
     float qr[PER_LANE], gr[PER_LANE], kr[PER_LANE], vr[PER_LANE], acc[PER_LANE] = {};
-    load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
+    load_row(qr, w.q_row, a.d, lane);
     load_row(gr, grad_out + row * a.dv, a.dv, lane);
     const float row_lse = lse_log2(lse, row, true), row_delta = delta[row];
-    for_visible_keys(mask, h, i, [&](int64_t j) {
-        load_row(kr, k_head + j * a.k_strides[2], a.d, lane);
-        load_row(vr, v_head + j * a.v_strides[2], a.dv, lane);
+    for_visible_keys(w.mask, w.h, w.i, [&](int64_t j) {
+        load_row(kr, w.k_head + j * a.k_strides[2], a.d, lane);
+        load_row(vr, w.v_head + j * a.v_strides[2], a.dv, lane);
         const float p = exp2f(dot(qr, kr) * a.scale_log2 - row_lse);
         const float ds = p * (dot(gr, vr) - row_delta);
 #pragma unroll
