@@ -13,7 +13,6 @@ mod mask;
 pub use mask::AttentionMask;
 
 use crate::cpu::CpuFloat;
-use crate::matmul::core::CpuGemm;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use std::sync::{Arc, Mutex};
 
@@ -375,7 +374,7 @@ impl Attention {
         v: (&CpuStorage, &Layout),
     ) -> Result<CpuStorage>
     where
-        T::Acc: CpuGemm,
+        T::Acc: cpu::AttentionFloat,
     {
         let p = &self.p;
         let q = gather(q.0, q.1)?;
@@ -391,7 +390,7 @@ impl Attention {
     }
 
     /// The CPU backward in the accumulator type `A` (f32, or f64 for f64 inputs).
-    fn cpu_backward<A: CpuGemm + WithDType>(
+    fn cpu_backward<A: cpu::AttentionFloat + WithDType>(
         &self,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
         out: &Tensor,
