@@ -262,3 +262,82 @@ fn small_fc_lopt_tensor_past_2_31() -> Result<()> {
     }
     Ok(())
 }
+
+/// `[1, heads, m, d]` slices of rows `rows` of head `h` of `t`, as f32 on the CPU.
+fn head_rows(t: &Tensor, h: usize, rows: std::ops::Range<usize>) -> Result<Tensor> {
+    t.narrow(1, h, 1)?
+        .narrow(2, rows.start, rows.len())?
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)
+}
+
+/// masked_attention with q, k, v, the output and every gradient past 2^31 elements (bf16, the
+/// tensor-core kernels), under a sliding window of 64 so the work stays linear. A window makes
+/// attention local: rows `s..e` of one head, cut out and run on the CPU, give exactly the rows
+/// whose keys (and, for key gradients, whose queries) all lie inside the cut.
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn masked_attention_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    if !cfg!(feature = "attention-cuda-preview") {
+        return Ok(());
+    }
+    let (heads, m, d, window) = (32, 524_309, 128, 64);
+    assert!(heads * m * d > BIG);
+    let mask = candle_fastops::AttentionMask::sliding_window(window);
+    let bf16 = || uniform(&[1, heads, m, d], &dev)?.to_dtype(DType::BF16);
+    let (q, k, v, w) = (bf16()?, bf16()?, bf16()?, bf16()?);
+    let vars = [
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    ];
+    let scale = 1.0 / (d as f64).sqrt();
+    let out = candle_fastops::masked_attention(&vars[0], &vars[1], &vars[2], &mask, scale)?;
+    let grads = (&out * &w)?.sum_all()?.backward()?;
+    let cut = 300;
+    for h in [0, heads - 1] {
+        for s in [0, m / 2, m - cut] {
+            let e = s + cut;
+            // Rows whose keys are all inside the cut, and keys whose queries are.
+            let first = if s == 0 { 0 } else { s + window - 1 };
+            let last_key = if e == m { e } else { e - window };
+            let part = |t: &Tensor| head_rows(t, h, s..e);
+            let cpu_vars = [
+                Var::from_tensor(&part(&q)?)?,
+                Var::from_tensor(&part(&k)?)?,
+                Var::from_tensor(&part(&v)?)?,
+            ];
+            let want = candle_fastops::masked_attention(
+                &cpu_vars[0],
+                &cpu_vars[1],
+                &cpu_vars[2],
+                &mask,
+                scale,
+            )?;
+            let want_grads = (&want * part(&w)?)?.sum_all()?.backward()?;
+            let rows = |t: &Tensor, range: std::ops::Range<usize>| -> Result<Vec<f64>> {
+                to_f64(&t.narrow(2, range.start - s, range.len())?)
+            };
+            let what = format!("head {h} rows {s}..{e}");
+            assert_close(
+                &rows(&head_rows(&out, h, s..e)?, first..e)?,
+                &rows(&want, first..e)?,
+                3e-2,
+                &format!("{what} output"),
+            );
+            for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+                let range = if i == 0 { first..e } else { first..last_key };
+                let got = head_rows(grads.get(&vars[i]).expect("a gradient"), h, s..e)?;
+                let want = want_grads.get(&cpu_vars[i]).expect("a gradient");
+                assert_close(
+                    &rows(&got, range.clone())?,
+                    &rows(want, range)?,
+                    5e-2,
+                    &format!("{what} {name}"),
+                );
+            }
+        }
+    }
+    Ok(())
+}
