@@ -121,3 +121,33 @@ pub(crate) fn check_float_operands(
     }
     Ok(())
 }
+
+/// `with_float_cuda_type!(op_name, dtype, T => body)`: `body` with the type `T` bound to the Rust
+/// type of an f32, f16 or bf16 `dtype` (for code generic over the element type rather than over a
+/// storage); other dtypes are an error naming the op.
+#[cfg(feature = "cuda")]
+macro_rules! with_float_cuda_type {
+    ($op:expr, $dtype:expr, $t:ident => $body:expr) => {{
+        use candle_core::DType;
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            other => candle_core::bail!(
+                "{}: unsupported dtype {other:?} on CUDA (expected f32, f16 or bf16)",
+                $op
+            ),
+        }
+    }};
+}
+#[cfg(feature = "cuda")]
+pub(crate) use with_float_cuda_type;

@@ -270,6 +270,65 @@ fn tile_scores<A: AttentionFloat>(
     }
 }
 
+/// One query tile of one head, walked over the key tiles its mask leaves.
+struct QueryTile<'a, A> {
+    head: &'a HeadMask<'a>,
+    /// The tile's index and first query, its rows (`r x d`), the problem's sizes.
+    qt: usize,
+    i0: usize,
+    q: &'a [A],
+    p: &'a Problem,
+    scale: A,
+}
+
+impl<'a, A: AttentionFloat> QueryTile<'a, A> {
+    fn new(head: &'a HeadMask<'a>, qt: usize, q: &'a [A], p: &'a Problem, scale: A) -> Self {
+        let i0 = qt * ROWS;
+        Self {
+            head,
+            qt,
+            i0,
+            q,
+            p,
+            scale,
+        }
+    }
+
+    /// For each key tile the mask does not hide, in order: the masked scores of the tile into
+    /// `s` (`r x c`), then `f(s, c, keys, values)` with the tile's rows of `k` and `v`.
+    fn for_each_key_tile(
+        &self,
+        (k, v): (&[A], &[A]),
+        s: &mut [A],
+        mut f: impl FnMut(&mut [A], usize, &[A], &[A]),
+    ) {
+        let Problem { m, n, d, dv, .. } = *self.p;
+        let r = self.q.len() / d;
+        for kt in 0..n.div_ceil(COLS) {
+            let state = self.head.tile_state(self.qt, kt, m, n);
+            if state == TILE_EMPTY {
+                continue;
+            }
+            let j0 = kt * COLS;
+            let c = COLS.min(n - j0);
+            let (keys, values) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
+            let partial = state != TILE_FULL;
+            let at = (self.i0, j0);
+            tile_scores(
+                s,
+                self.q,
+                keys,
+                (r, c, d),
+                self.scale,
+                self.head,
+                partial,
+                at,
+            );
+            f(&mut s[..r * c], c, keys, values);
+        }
+    }
+}
+
 /// Forward of every (batch entry, head): `out` `[b, h, m, dv]` and `lse` `[b, h, m]` (natural
 /// log; `-inf` for a query that sees no key, whose output row is zero). `q` `[b, h, m, d]`, `k`
 /// `[b, hk, n, d]`, `v` `[b, hk, n, dv]`, contiguous.
@@ -310,16 +369,8 @@ pub(super) fn forward<A: AttentionFloat>(
                     let mut max = vec![A::neg_infinity(); r];
                     let mut sum = vec![A::zero(); r];
                     let mut acc = vec![A::zero(); r * dv];
-                    for kt in 0..n.div_ceil(COLS) {
-                        let state = head.tile_state(qt, kt, m, n);
-                        if state == TILE_EMPTY {
-                            continue;
-                        }
-                        let j0 = kt * COLS;
-                        let c = COLS.min(n - j0);
-                        let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
-                        let partial = state != TILE_FULL;
-                        tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
+                    let tile = QueryTile::new(&head, qt, q, p, scale);
+                    tile.for_each_key_tile((k, v), &mut s, |s, c, _, vt| {
                         for ri in 0..r {
                             let row = &mut s[ri * c..(ri + 1) * c];
                             let tile_max = row.iter().fold(A::neg_infinity(), |a, &x| a.max(x));
@@ -336,8 +387,8 @@ pub(super) fn forward<A: AttentionFloat>(
                                 *a = *a * alpha;
                             }
                         }
-                        gemm_into((r, dv, c), &mut acc, (&s, c, 1), (vt, dv, 1), true);
-                    }
+                        gemm_into((r, dv, c), &mut acc, (s, c, 1), (vt, dv, 1), true);
+                    });
                     for ri in 0..r {
                         let row = &mut out[ri * dv..(ri + 1) * dv];
                         if sum[ri] > A::zero() {
@@ -421,17 +472,9 @@ pub(super) fn backward<A: AttentionFloat>(
                     let delta = &delta[row0..row0 + r];
                     dq.fill(A::zero());
                     let (mut s, mut dp) = (vec![A::zero(); r * COLS], vec![A::zero(); r * COLS]);
-                    for kt in 0..n.div_ceil(COLS) {
-                        let state = head.tile_state(qt, kt, m, n);
-                        if state == TILE_EMPTY {
-                            continue;
-                        }
-                        let j0 = kt * COLS;
-                        let c = COLS.min(n - j0);
-                        let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
-                        let partial = state != TILE_FULL;
-                        tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
-                        probabilities(&mut s[..r * c], c, lse);
+                    let tile = QueryTile::new(&head, qt, q, p, scale);
+                    tile.for_each_key_tile((k, v), &mut s, |s, c, kt_, vt| {
+                        probabilities(s, c, lse);
                         // dP = dO . Vᵀ, dS = P * (dP - delta).
                         gemm_into((r, c, dv), &mut dp, (go, dv, 1), (vt, 1, dv), false);
                         for ((dp, s), &delta) in dp.chunks_mut(c).zip(s.chunks(c)).zip(delta) {
@@ -440,7 +483,7 @@ pub(super) fn backward<A: AttentionFloat>(
                             }
                         }
                         gemm_into((r, d, c), dq, (&dp, c, 1), (kt_, d, 1), true);
-                    }
+                    });
                     for g in dq.iter_mut() {
                         *g = *g * scale;
                     }

@@ -8,6 +8,7 @@
 use super::mask::{Kind, TileData};
 use super::{AttentionMask, Problem, OP};
 use crate::cuda::{alloc_output, Kernel, Module};
+use crate::dispatch::with_float_cuda_type;
 use crate::kernel_constants::attention as C;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -347,12 +348,8 @@ pub(super) fn forward(
     check_grid(p)?;
     let rows = p.batch * p.heads * p.m;
     let lse = alloc_output::<f32>(dev, rows)?;
-    let out = match q.0.dtype() {
-        DType::F16 => forward_typed::<half::f16>(p, mask, q, k, v, &lse)?,
-        DType::BF16 => forward_typed::<half::bf16>(p, mask, q, k, v, &lse)?,
-        DType::F32 => forward_typed::<f32>(p, mask, q, k, v, &lse)?,
-        dtype => bail!("{OP}: unsupported dtype {dtype:?} on CUDA (f16, bf16, f32)"),
-    };
+    let out =
+        with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, &lse)?);
     let lse = Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone())),
         (p.batch, p.heads, p.m),
@@ -411,12 +408,7 @@ pub(super) fn backward(
     delta: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     check_grid(p)?;
-    match q.dtype() {
-        DType::F16 => backward_typed::<half::f16>(p, mask, (q, k, v), grad_out, lse, delta),
-        DType::BF16 => backward_typed::<half::bf16>(p, mask, (q, k, v), grad_out, lse, delta),
-        DType::F32 => backward_typed::<f32>(p, mask, (q, k, v), grad_out, lse, delta),
-        dtype => bail!("{OP}: unsupported dtype {dtype:?} on CUDA (f16, bf16, f32)"),
-    }
+    with_float_cuda_type!(OP, q.dtype(), T => backward_typed::<T>(p, mask, (q, k, v), grad_out, lse, delta))
 }
 
 fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
