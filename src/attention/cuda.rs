@@ -397,27 +397,38 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
+/// What the backward reads: the forward's operands as it got them, the output's gradient
+/// (`[b, h, m, dv]`, contiguous), the log-sum-exp and delta = rowsum(dO * O) (f32 `[b, h, m]`).
+pub(super) struct BackwardInputs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub grad_out: &'a Tensor,
+    pub lse: &'a Tensor,
+    pub delta: &'a Tensor,
+}
+
 /// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
-/// `grad_out` `[b, h, m, dv]` contiguous; `lse` and `delta` (rowsum(dO * O)) f32 `[b, h, m]`.
 pub(super) fn backward(
     p: &Problem,
     mask: &DeviceMask,
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
-    grad_out: &Tensor,
-    lse: &Tensor,
-    delta: &Tensor,
+    x: &BackwardInputs<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     check_grid(p)?;
-    with_float_cuda_type!(OP, q.dtype(), T => backward_typed::<T>(p, mask, (q, k, v), grad_out, lse, delta))
+    with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x))
 }
 
 fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     p: &Problem,
     mask: &DeviceMask,
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
-    grad_out: &Tensor,
-    lse: &Tensor,
-    delta: &Tensor,
+    &BackwardInputs {
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+    }: &BackwardInputs<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let candle_core::Device::Cuda(dev) = q.device() else {
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");

@@ -443,7 +443,15 @@ impl Attention {
             .contiguous()?;
         let lse = self.saved_lse()?;
         let mask = cuda::DeviceMask::new(&self.mask, &self.p, q.device())?;
-        cuda::backward(&self.p, &mask, (q, k, v), &go, &lse, &delta)
+        let inputs = cuda::BackwardInputs {
+            q,
+            k,
+            v,
+            grad_out: &go,
+            lse: &lse,
+            delta: &delta,
+        };
+        cuda::backward(&self.p, &mask, &inputs)
     }
 
     #[cfg(not(feature = "cuda"))]
