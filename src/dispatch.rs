@@ -151,3 +151,20 @@ macro_rules! with_float_cuda_type {
 }
 #[cfg(feature = "cuda")]
 pub(crate) use with_float_cuda_type;
+
+/// `mirrored_struct!(Type, bytes)`: `Type` is a `#[repr(C)]` struct mirrored by a CUDA struct
+/// whose `static_assert` checks the same size; this asserts the Rust side's size at compile time.
+/// `mirrored_struct!(Type, bytes, kernel_arg)` also implements cudarc's `DeviceRepr`, so that the
+/// struct can be passed to a kernel by value (with the `cuda` feature).
+macro_rules! mirrored_struct {
+    ($t:ty, $bytes:expr) => {
+        const _: () = assert!(std::mem::size_of::<$t>() == $bytes);
+    };
+    ($t:ty, $bytes:expr, kernel_arg) => {
+        const _: () = assert!(std::mem::size_of::<$t>() == $bytes);
+        // SAFETY: `#[repr(C)]` plain-old-data of its C mirror's size (asserted above).
+        #[cfg(feature = "cuda")]
+        unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for $t {}
+    };
+}
+pub(crate) use mirrored_struct;

@@ -8,6 +8,7 @@
 use super::mask::{Kind, TileData};
 use super::{AttentionMask, Problem, OP};
 use crate::cuda::{alloc_output, Kernel, Module};
+use crate::dispatch::mirrored_struct;
 use crate::dispatch::with_float_cuda_type;
 use crate::kernel_constants::attention as C;
 use candle_core::backend::BackendStorage;
@@ -32,8 +33,8 @@ struct MaskArgs {
     kind: i32,
     doc_causal: i32,
 }
-// `MaskArgs` in src/cuda/attention.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<MaskArgs>() == 64);
+// Mirrored by `MaskArgs` in src/cuda/attention.cu.
+mirrored_struct!(MaskArgs, 64);
 
 /// Mirrors `AttentionArgs` in `src/cuda/attention.cu`.
 #[repr(C)]
@@ -55,10 +56,8 @@ struct AttentionArgs {
     scale_log2: f32,
     mask: MaskArgs,
 }
-// `AttentionArgs` in src/cuda/attention.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<AttentionArgs>() == 216);
-// SAFETY: plain-old-data laid out as its C mirror.
-unsafe impl DeviceRepr for AttentionArgs {}
+// Mirrored by `AttentionArgs` in src/cuda/attention.cu.
+mirrored_struct!(AttentionArgs, 216, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
 const TILE_K: usize = C::TILE_K;

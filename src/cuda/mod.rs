@@ -1,6 +1,7 @@
 //! The CUDA side shared by every op: the PTX modules built from `src/cuda/*.cu`, the one launch
 //! helper, output allocation and device queries.
 
+use crate::dispatch::mirrored_struct;
 use candle_core::cuda_backend::cudarc::driver::{self, CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
@@ -262,8 +263,8 @@ pub(crate) struct FastDiv {
     pub multiplier: u32,
     pub shift: u32,
 }
-// `FastDiv` in src/cuda/softmax.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<FastDiv>() == 12);
+// Mirrored by `FastDiv` in src/cuda/softmax.cu.
+mirrored_struct!(FastDiv, 12);
 
 impl FastDiv {
     pub(crate) fn new(divisor: usize) -> Self {

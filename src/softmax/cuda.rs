@@ -1,8 +1,7 @@
 use crate::cuda::{alloc_output, sm_count, tuning, FastDiv, Kernel, Module};
+use crate::dispatch::mirrored_struct;
 use crate::softmax::plan::{Block, ReducePlan, MAX_BLOCKS};
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::{bail, CudaDevice, Result, WithDType};
 
 /// Mirrors `ReduceLayout` in `softmax.cu`.
@@ -19,11 +18,8 @@ struct ReduceLayout {
     num_groups: u32,
     group_size: u32,
 }
-// `ReduceLayout` in src/cuda/softmax.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<ReduceLayout>() == 272);
-
-// SAFETY: plain-old-data with the same C layout as the kernel's parameter.
-unsafe impl DeviceRepr for ReduceLayout {}
+// Mirrored by `ReduceLayout` in src/cuda/softmax.cu.
+mirrored_struct!(ReduceLayout, 272, kernel_arg);
 
 fn blocks_to_arrays(blocks: &[Block]) -> ([FastDiv; MAX_BLOCKS], [u64; MAX_BLOCKS]) {
     let mut divs = [FastDiv::default(); MAX_BLOCKS];

@@ -1,5 +1,6 @@
 use super::{Features, OP};
 use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, Kernel, Module};
+use crate::dispatch::mirrored_struct;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
@@ -20,11 +21,8 @@ struct SparseShape {
     max_active: u32,
     perspectives: u32,
 }
-// `SparseShape` in src/cuda/sparse_linear.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<SparseShape>() == 72);
-
-// SAFETY: plain data with the C layout the kernels expect.
-unsafe impl DeviceRepr for SparseShape {}
+// Mirrored by `SparseShape` in src/cuda/sparse_linear.cu.
+mirrored_struct!(SparseShape, 72, kernel_arg);
 
 /// Kernel name stems of the forward and backward.
 const FWD: &str = "sparse_linear_fwd";

@@ -1,6 +1,7 @@
 use super::Geometry;
 use crate::cuda::{alloc_output, grid_stride_config, Kernel, Module};
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
+use crate::dispatch::mirrored_struct;
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{CudaStorage, Result};
 
 /// Mirrors `TileSummaryArgs` in `src/cuda/tile_summary.cu`.
@@ -18,10 +19,8 @@ struct TileSummaryArgs {
     tile_rows: u32,
     tile_cols: u32,
 }
-// `TileSummaryArgs` in src/cuda/tile_summary.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<TileSummaryArgs>() == 72);
-// SAFETY: plain-old-data laid out as its C mirror.
-unsafe impl DeviceRepr for TileSummaryArgs {}
+// Mirrored by `TileSummaryArgs` in src/cuda/tile_summary.cu.
+mirrored_struct!(TileSummaryArgs, 72, kernel_arg);
 
 const THREADS: u32 = crate::kernel_constants::tile_summary::THREADS as u32;
 

@@ -1,4 +1,5 @@
 use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
+use crate::dispatch::mirrored_struct;
 use crate::matmul::core::{
     cuda::{core_launch, ProblemArgs},
     MatView, TILE,
@@ -13,10 +14,8 @@ struct ArgminArgs {
     col_groups: i64,
     scale: f32,
 }
-// `ArgminArgs` in src/cuda/matmul.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<ArgminArgs>() == 16);
-// SAFETY: plain-old-data laid out as its C mirror.
-unsafe impl DeviceRepr for ArgminArgs {}
+// Mirrored by `ArgminArgs` in src/cuda/matmul.cu.
+mirrored_struct!(ArgminArgs, 16, kernel_arg);
 
 use crate::kernel_constants::matmul::BLOCKS_PER_SM;
 

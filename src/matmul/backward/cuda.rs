@@ -1,4 +1,5 @@
 use crate::cuda::alloc_output;
+use crate::dispatch::mirrored_struct;
 use crate::matmul::core::cuda::{core_launch, ProblemArgs};
 use crate::matmul::core::{MatView, TILE};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
@@ -11,10 +12,8 @@ struct SpanArgs {
     spans_batch_stride: i64,
     by_cols: i32,
 }
-// `SpanArgs` in src/cuda/matmul.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<SpanArgs>() == 16);
-// SAFETY: plain-old-data laid out as its C mirror.
-unsafe impl DeviceRepr for SpanArgs {}
+// Mirrored by `SpanArgs` in src/cuda/matmul.cu.
+mirrored_struct!(SpanArgs, 16, kernel_arg);
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(

@@ -1,5 +1,6 @@
 use super::MatView;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use crate::dispatch::mirrored_struct;
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::{DType, WithDType};
 
 /// Dynamic shared memory of the async core's kernels (`sizeof(AsyncStaging)` in the kernels).
@@ -72,8 +73,8 @@ pub(crate) struct OperandArgs {
     mode: i32,
     vectorised: i32,
 }
-// `Operand` in src/cuda/matmul.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<OperandArgs>() == 32);
+// Mirrored by `Operand` in src/cuda/matmul.cu.
+mirrored_struct!(OperandArgs, 32);
 
 impl OperandArgs {
     /// An operand whose tiles run along `outer` (m for A, n for B) and k, with strides in
@@ -139,11 +140,8 @@ pub(crate) struct ProblemArgs {
     n: i64,
     k: i64,
 }
-// `Problem` in src/cuda/matmul.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<ProblemArgs>() == 96);
-
-// SAFETY: plain-old-data structs laid out as their C mirrors.
-unsafe impl DeviceRepr for ProblemArgs {}
+// Mirrored by `Problem` in src/cuda/matmul.cu.
+mirrored_struct!(ProblemArgs, 96, kernel_arg);
 
 impl ProblemArgs {
     /// Whether both operands suit the async core's 16-byte copies of `elem_bytes`-byte

@@ -1,5 +1,6 @@
 use super::{Dims, TILE};
 use crate::cuda::alloc_output;
+use crate::dispatch::mirrored_struct;
 use crate::matmul::core::cuda::{core_launch, ProblemArgs};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
 use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
@@ -12,10 +13,8 @@ struct MaskArgs {
     plan_batch_stride: i64,
     fill: f32,
 }
-// `MaskArgs` in src/cuda/matmul.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<MaskArgs>() == 24);
-// SAFETY: plain-old-data laid out as its C mirror.
-unsafe impl DeviceRepr for MaskArgs {}
+// Mirrored by `MaskArgs` in src/cuda/matmul.cu.
+mirrored_struct!(MaskArgs, 24, kernel_arg);
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(

@@ -4,6 +4,7 @@
 //! the same passes over all tensors at once; the composed-ops path in `small_fc_lopt.rs` is
 //! their reference.
 
+use crate::dispatch::mirrored_struct;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, StorageRef, Tensor};
 use rayon::prelude::*;
 
@@ -79,8 +80,8 @@ pub(super) struct Decays {
     pub adafactor: [f32; 3],
     pub pad: f32,
 }
-// `Decays` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<Decays>() == 32);
+// Mirrored by `Decays` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(Decays, 32, kernel_arg);
 
 /// Pass 1 over `t` (holding the previous accumulators): the updated accumulators as `[planes,
 /// n]` (momentum 0..3, rms, then for vectors the 3 Adafactor accumulators) and the sums over the
@@ -115,8 +116,8 @@ pub(super) struct Hyper {
     pub lr: f32,
     pub weight_decay: f32,
 }
-// `Hyper` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<Hyper>() == 16);
+// Mirrored by `Hyper` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(Hyper, 16, kernel_arg);
 
 /// The new parameter values (flat f32) from pass 1's feature `sums` of squares (`[28]`) and the
 /// packed MLP; the per-tensor norms `1 / sqrt(sum / n + 1e-5)` are taken inside the pass.

@@ -15,7 +15,8 @@
 
 use super::cpu::{Decays, Hyper, FEATURES, MLP_FLOATS};
 use crate::cuda::{FastDiv, Kernel, Module};
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use crate::dispatch::mirrored_struct;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::OP;
@@ -46,8 +47,8 @@ struct Divisor {
     magic: u32,
     shift: u32,
 }
-// `Divisor` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<Divisor>() == 16);
+// Mirrored by `Divisor` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(Divisor, 16);
 
 impl Divisor {
     fn new(d: usize) -> Self {
@@ -96,8 +97,8 @@ struct LoptMeta {
     tiled: u32,
     pad: u32,
 }
-// `LoptMeta` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<LoptMeta>() == 208);
+// Mirrored by `LoptMeta` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(LoptMeta, 208);
 
 /// Mirrors `SumTile` in the kernels: rows `row_start..row_start + rows` and columns
 /// `col_start..col_start + TILE_COLS` of a 2-D gradient with `cols` columns.
@@ -113,8 +114,8 @@ struct SumTile {
     rows_into_col_sum: u32,
     pad: u32,
 }
-// `SumTile` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<SumTile>() == 32);
+// Mirrored by `SumTile` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(SumTile, 32);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
@@ -123,8 +124,8 @@ struct Chunk {
     pad: u32,
     start: u64,
 }
-// `Chunk` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<Chunk>() == 16);
+// Mirrored by `Chunk` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(Chunk, 16);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -132,8 +133,8 @@ struct StepTensors {
     grad: [u64; GROUP],
     param: [u64; GROUP],
 }
-// `StepTensors` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<StepTensors>() == 2048);
+// Mirrored by `StepTensors` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(StepTensors, 2048, kernel_arg);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -149,17 +150,8 @@ struct Buffers {
     batch_sum: u64,
     feat_sum: u64,
 }
-// `Buffers` in src/cuda/small_fc_lopt.cu asserts the same size.
-const _: () = assert!(std::mem::size_of::<Buffers>() == 80);
-
-// SAFETY: plain data with the C layout the kernels expect.
-unsafe impl DeviceRepr for StepTensors {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Buffers {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Hyper {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for Decays {}
+// Mirrored by `Buffers` in src/cuda/small_fc_lopt.cu.
+mirrored_struct!(Buffers, 80, kernel_arg);
 
 /// A tensor's shape (rank >= 1) and, for matrices, its Adafactor axes (d0, d1).
 pub(super) type TensorShape = (Vec<usize>, Option<(usize, usize)>);
