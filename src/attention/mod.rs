@@ -51,7 +51,12 @@ pub struct AttentionOptions {
 /// * Autograd: gradients for `q`, `k` and `v`, recomputing the probabilities from the saved
 ///   log-sum-exp (no `m x n` buffer).
 /// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
-///   backward; tiles (128 queries x 64 keys on the CPU) that the mask hides entirely are skipped.
+///   backward; tiles (128 queries x 64 keys on the CPU, 64 x 64 on CUDA) that the mask hides
+///   entirely are skipped.
+/// * CUDA: f16 and bf16 on tensor cores (head dims padded to 64, 128 or 256), f32 in exact f32
+///   row kernels (correct, but far slower: use bf16 for speed). The kernels are behind the
+///   `attention-cuda-preview` feature until they have passed their GPU tests; without it a call on
+///   a GPU returns an error that says so.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
