@@ -925,86 +925,37 @@ fn attention_composite(
     candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)
 }
 
+/// The cases. GPU: bf16, batch 4, 16 heads, head dim 128; causal at 4096 and 8192 tokens,
+/// a sliding window of 1024 and causal documents of 1024 tokens at 8192. CPU: f32, batch 1, 8
+/// heads, head dim 64, causal at 1024. The composite baseline (scores and an additive mask in the
+/// op's dtype) runs where it fits: every forward, and the backward up to 4096 tokens.
 fn bench_attention(b: &mut Bench) -> Result<()> {
-    const OP: &str = "masked_attention";
-    if !b.wants(OP) {
-        return Ok(());
-    }
-    if b.device.is_cuda() {
-        return bench_attention_cuda(b);
-    }
-    let dev = b.device.clone();
-    // The CPU case: batch 1, 8 heads, 1024 tokens, head dim 64, causal.
-    let (batch, heads, n, d) = (1, 8, 1024, 64);
-    let scale = 1.0 / (d as f64).sqrt();
-    let (q, k, v) = (
-        randn(&[batch, heads, n, d], DType::F32, &dev)?,
-        randn(&[batch, heads, n, d], DType::F32, &dev)?,
-        randn(&[batch, heads, n, d], DType::F32, &dev)?,
-    );
-    let bias = Tensor::tril2(n, DType::F32, &dev)?
-        .affine(1e30, -1e30)?
-        .clamp(f32::NEG_INFINITY, 0.0)?;
-    let causal = candle_fastops::AttentionMask::causal();
-    // FLOPs of the visible half (q kᵀ and p v, 2 FLOPs per multiply-add).
-    let flops = 2.0 * 2.0 * (batch * heads * n * (n + 1) / 2 * d) as f64;
-    let case = format!("causal b={batch} h={heads} n={n} d={d}");
-    b.compare(
-        OP,
-        &format!("{case} forward"),
-        DType::F32,
-        Work::Flops(flops),
-        || candle_fastops::masked_attention(&q, &k, &v, &causal, scale).map(drop),
-        "matmul + mask + softmax + matmul",
-        || attention_composite(&q, &k, &v, &bias, scale).map(drop),
-    )?;
-    let (qv, kv, vv) = (
-        candle_core::Var::from_tensor(&q)?,
-        candle_core::Var::from_tensor(&k)?,
-        candle_core::Var::from_tensor(&v)?,
-    );
-    b.compare(
-        OP,
-        &format!("{case} fwd+bwd"),
-        DType::F32,
-        Work::Flops(3.5 * flops),
-        || {
-            candle_fastops::masked_attention(&qv, &kv, &vv, &causal, scale)?
-                .backward()
-                .map(drop)
-        },
-        "the same composite, fwd+bwd",
-        || {
-            let bias = bias.clone();
-            let scores = (qv.matmul(&kv.t()?)? * scale)?.broadcast_add(&bias)?;
-            candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?
-                .matmul(&vv)?
-                .backward()
-                .map(drop)
-        },
-    )?;
-    Ok(())
-}
-
-/// The GPU cases: bf16, batch 4, 16 heads, head dim 128; causal at 4096 and 8192 tokens,
-/// a sliding window of 1024 and causal documents of 1024 tokens at 8192. The composite baseline
-/// (bf16 scores and an additive bf16 mask) runs where it fits: every forward, and the backward at
-/// 4096.
-fn bench_attention_cuda(b: &mut Bench) -> Result<()> {
     /// Whether query i sees key j.
     type Visible = dyn Fn(usize, usize) -> bool;
     const OP: &str = "masked_attention";
     use candle_fastops::AttentionMask;
+    if !b.wants(OP) {
+        return Ok(());
+    }
     let dev = b.device.clone();
-    let (batch, heads, d) = (4, 16, 128);
+    let gpu = dev.is_cuda();
+    let (batch, heads, d, dtype) = if gpu {
+        (4, 16, 128, DType::BF16)
+    } else {
+        (1, 8, 64, DType::F32)
+    };
     let scale = 1.0 / (d as f64).sqrt();
-    let dtype = DType::BF16;
-    for (name, n) in [
-        ("causal", 4096),
-        ("causal", 8192),
-        ("window 1024", 8192),
-        ("documents 1024 causal", 8192),
-    ] {
+    let cases: &[(&str, usize)] = if gpu {
+        &[
+            ("causal", 4096),
+            ("causal", 8192),
+            ("window 1024", 8192),
+            ("documents 1024 causal", 8192),
+        ]
+    } else {
+        &[("causal", 1024)]
+    };
+    for &(name, n) in cases {
         let (mask, visible_pairs, keep): (AttentionMask, usize, Box<Visible>) = match name {
             "causal" => (
                 AttentionMask::causal(),
@@ -1033,17 +984,19 @@ fn bench_attention_cuda(b: &mut Bench) -> Result<()> {
         );
         let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
         let case = format!("{name} b={batch} h={heads} n={n} d={d}");
-        b.iterations = Some((5, 20));
-        let bias: Vec<half::bf16> = (0..n * n)
+        if gpu {
+            b.iterations = Some((5, 20));
+        }
+        let bias: Vec<f32> = (0..n * n)
             .map(|x| {
                 if keep(x / n, x % n) {
-                    half::bf16::ZERO
+                    0.0
                 } else {
-                    half::bf16::NEG_INFINITY
+                    f32::NEG_INFINITY
                 }
             })
             .collect();
-        let bias = Tensor::from_vec(bias, (n, n), &dev)?;
+        let bias = Tensor::from_vec(bias, (n, n), &dev)?.to_dtype(dtype)?;
         b.compare(
             OP,
             &format!("{case} forward"),
