@@ -109,7 +109,7 @@ pub fn masked_attention_with_lse(
     mask: &AttentionMask,
     options: &AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
-    let (out, saved, p) = attention(q, k, v, mask, options)?;
+    let (out, saved, _) = attention(q, k, v, mask, options)?;
     let lse = saved
         .lock()
         .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
@@ -117,10 +117,8 @@ pub fn masked_attention_with_lse(
     let Some(lse) = lse else {
         bail!("{OP}: internal error, the forward kept no log-sum-exp");
     };
-    Ok((
-        out,
-        lse.to_dtype(DType::F32)?.reshape((p.batch, p.heads, p.m))?,
-    ))
+    // Kept as `[b, h, m]`: f64 from the CPU, f32 from CUDA.
+    Ok((out, lse.to_dtype(DType::F32)?))
 }
 
 /// The sizes of one call.
