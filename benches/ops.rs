@@ -914,6 +914,8 @@ fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
 }
 
 /// What a candle user writes today for masked attention: scores, an additive mask, softmax, values.
+/// Scores of 2^31 elements or more go one batch entry at a time (candle's element-wise CUDA
+/// kernels count elements in 32 bits), as a user would have to.
 fn attention_composite(
     q: &Tensor,
     k: &Tensor,
@@ -921,6 +923,17 @@ fn attention_composite(
     bias: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
+    let (batch, heads, m, _) = q.dims4()?;
+    let n = k.dim(2)?;
+    if batch > 1 && batch * heads * m * n >= 1 << 31 {
+        let parts = (0..batch)
+            .map(|i| {
+                let one = |t: &Tensor| t.narrow(0, i, 1);
+                attention_composite(&one(q)?, &one(k)?, &one(v)?, bias, scale)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Tensor::cat(&parts, 0);
+    }
     let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(bias)?;
     candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)
 }

@@ -1,14 +1,11 @@
 //! Causal self-attention three ways, checked against each other and timed:
-//! `candle_fastops::masked_attention` (one fused, tiled op; on a GPU only with the
-//! `attention-cuda-preview` feature, until its CUDA kernels have passed their GPU tests),
-//! `masked_bmm` + `softmax_dims` (scores with `-inf` above the
+//! `candle_fastops::masked_attention` (one fused, tiled op), `masked_bmm` + `softmax_dims` (scores with `-inf` above the
 //! diagonal, upper tiles skipped), and the composite a candle user writes today (full matmul,
 //! `where_cond`, softmax).
 //!
 //! ```text
 //! cargo run --release --example causal_attention
 //! cargo run --release --example causal_attention --features cuda
-//! cargo run --release --example causal_attention --features attention-cuda-preview
 //! ```
 
 use anyhow::Result;
@@ -84,21 +81,19 @@ fn main() -> Result<()> {
     let diff = (ours - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
     println!("max |masked_bmm route - composite| = {diff:.2e}");
     anyhow::ensure!(diff < 1e-4, "attention outputs differ by {diff}");
-    if dev.is_cpu() || cfg!(feature = "attention-cuda-preview") {
-        // masked_attention takes [batch, heads, seq, d].
-        let fused = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
-            let scale = 1.0 / (head_dim as f64).sqrt();
-            let causal = candle_fastops::AttentionMask::causal();
-            let (q, k, v) = (q.unsqueeze(0)?, k.unsqueeze(0)?, v.unsqueeze(0)?);
-            Ok(candle_fastops::masked_attention(&q, &k, &v, &causal, scale)?.squeeze(0)?)
-        };
-        let out = fused(&q, &k, &v)?;
-        let diff = (out - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        println!("max |masked_attention - composite| = {diff:.2e}");
-        anyhow::ensure!(diff < 1e-4, "attention outputs differ by {diff}");
-        let t_fused = time_ms(&dev, || fused(&q, &k, &v))?;
-        println!("masked_attention {t_fused:.2} ms");
-    }
+    // masked_attention takes [batch, heads, seq, d].
+    let fused = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let causal = candle_fastops::AttentionMask::causal();
+        let (q, k, v) = (q.unsqueeze(0)?, k.unsqueeze(0)?, v.unsqueeze(0)?);
+        Ok(candle_fastops::masked_attention(&q, &k, &v, &causal, scale)?.squeeze(0)?)
+    };
+    let out = fused(&q, &k, &v)?;
+    let diff = (out - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    println!("max |masked_attention - composite| = {diff:.2e}");
+    anyhow::ensure!(diff < 1e-4, "attention outputs differ by {diff}");
+    let t_fused = time_ms(&dev, || fused(&q, &k, &v))?;
+    println!("masked_attention {t_fused:.2} ms");
 
     let t_ours = time_ms(&dev, || attention_fastops(&q, &k, &v, &mask, &plan))?;
     let t_ref = time_ms(&dev, || attention_composite(&q, &k, &v, &mask))?;

@@ -9,8 +9,7 @@
 //! cargo run --release --example gpt_train -- --steps 200 --layers 4 --batch 16 --seq 256
 //! ```
 //!
-//! It runs on the CPU, or on CUDA device 0 when built with `--features attention-cuda-preview`
-//! (the CUDA attention kernels are behind that feature until they have passed their GPU tests).
+//! It runs on the CPU, or on CUDA device 0 when built with `--features cuda`.
 //! On CUDA, the model runs in f32 and attention in bf16.
 
 use anyhow::{bail, Result};
@@ -246,7 +245,7 @@ fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 fn main() -> Result<()> {
     let c = Config::from_args()?;
-    let dev = if cfg!(feature = "attention-cuda-preview") {
+    let dev = if cfg!(feature = "cuda") {
         Device::cuda_if_available(0)?
     } else {
         Device::Cpu

@@ -26,7 +26,7 @@ bundle="$repo/target/gpu-bundle"
 rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
-features=${GPU_BUNDLE_FEATURES:-cuda,attention-cuda-preview}
+features=${GPU_BUNDLE_FEATURES:-cuda}
 echo "gpu-bundle: building tests and bench (release, --features $features)" >&2
 cargo build --release --features "$features" --tests --benches --examples --message-format=json-render-diagnostics \
     > "$bundle/cargo.json"
@@ -92,18 +92,18 @@ missing=$(ldd "$work"/bench-* | grep 'not found' | sort -u)
 
 status=0
 : > "$out/tests.log"
-# TESTS=0 skips the tests (a bench-only run).
+# TESTS=0 skips the tests (a bench-only run); TEST_FILTER and SCALE_FILTER narrow them (libtest filters).
 [ "${TESTS:-1}" = 0 ] && rm -f "$work"/test-* "$work"/example-*
 for t in "$work"/test-*; do
     [ -e "$t" ] || continue
     echo "=== $(basename "$t")" | tee -a "$out/tests.log"
-    (cd "$here/../.." && "$t" --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
+    (cd "$here/../.." && "$t" ${TEST_FILTER:-} --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
     grep -E '^test result|SKIPPED|note:' "$out/tests.log" | tail -n 3
 done
 # The > 2^31-element tests (ignored by default: ~60 GB of GPU memory); SCALE=0 skips them.
 if [ -e "$work/test-ops" ] && [ "${SCALE:-1}" != 0 ]; then
     echo "=== test-ops --ignored scale::" | tee -a "$out/tests.log"
-    (cd "$here/../.." && "$work/test-ops" --ignored scale:: --test-threads=1) >> "$out/tests.log" 2>&1 \
+    (cd "$here/../.." && "$work/test-ops" --ignored "scale::${SCALE_FILTER:-}" --test-threads=1) >> "$out/tests.log" 2>&1 \
         || { status=1; echo "FAILED: scale tests"; }
     grep -E '^test result' "$out/tests.log" | tail -n 1
 fi

@@ -17,9 +17,6 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use std::sync::{Arc, Mutex};
 
 const OP: &str = "masked_attention";
-/// The error of attention on a GPU without the `attention-cuda-preview` feature.
-const CUDA_NOT_VALIDATED: &str = "the CUDA kernels have not passed their GPU tests yet; build \
-     with the `attention-cuda-preview` feature to try them, or run attention on the CPU";
 /// The largest head dimension.
 const MAX_HEAD_DIM: usize = 256;
 
@@ -54,9 +51,7 @@ pub struct AttentionOptions {
 ///   backward; tiles (128 queries x 64 keys on the CPU, 64 x 64 on CUDA) that the mask hides
 ///   entirely are skipped.
 /// * CUDA: f16 and bf16 on tensor cores (head dims padded to 64, 128 or 256), f32 in exact f32
-///   row kernels (correct, but far slower: use bf16 for speed). The kernels are behind the
-///   `attention-cuda-preview` feature until they have passed their GPU tests; without it a call on
-///   a GPU returns an error that says so.
+///   row kernels (correct, but far slower: use bf16 for speed).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -148,9 +143,6 @@ fn attention(
     let p = problem(q, k, v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if q.device().is_cuda() {
-        if !cfg!(feature = "attention-cuda-preview") {
-            bail!("{OP}: {CUDA_NOT_VALIDATED}");
-        }
         return cuda_attention(q, k, v, mask, p);
     }
     let saved = SavedLse::default();

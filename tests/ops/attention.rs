@@ -221,20 +221,6 @@ fn check(
     Ok(())
 }
 
-/// Whether attention on `dev` is held back: on a GPU without the `attention-cuda-preview` feature
-/// the op must refuse with an error that says why (the CUDA kernels have not passed these tests
-/// on a GPU yet).
-fn held_back(dev: &Device) -> bool {
-    if !dev.is_cuda() || cfg!(feature = "attention-cuda-preview") {
-        return false;
-    }
-    let t = Tensor::zeros((1, 1, 2, 8), DType::F32, dev).expect("a tensor");
-    let err = masked_attention(&t, &t, &t, &AttentionMask::causal(), 1.0)
-        .expect_err("CUDA attention without the preview feature must refuse");
-    assert!(err.to_string().contains("attention-cuda-preview"), "{err}");
-    true
-}
-
 /// The dtypes a device computes attention in: f32 and f64 on the CPU (the 16-bit types there
 /// share the f32 code), f32 and the tensor cores' f16 and bf16 on CUDA.
 fn attention_dtypes(dev: &Device) -> Vec<DType> {
@@ -248,9 +234,6 @@ fn attention_dtypes(dev: &Device) -> Vec<DType> {
 #[test]
 fn every_mask_kind_matches_the_reference() -> Result<()> {
     for_each_device(|dev| {
-        if held_back(dev) {
-            return Ok(());
-        }
         // (batch, heads, kv_heads, m, n, d, dv): odd sizes, several tiles of 64 and a ragged one.
         let dims = (2, 4, 2, 131, 131, 24, 40);
         let (b, h, _, m, n, _, _) = dims;
@@ -290,9 +273,6 @@ fn every_mask_kind_matches_the_reference() -> Result<()> {
 #[test]
 fn every_dtype_shape_and_layout() -> Result<()> {
     for_each_device(|dev| {
-        if held_back(dev) {
-            return Ok(());
-        }
         for dtype in float_dtypes(dev) {
             check(
                 (1, 3, 3, 70, 70, 16, 16),
@@ -395,9 +375,6 @@ fn every_dtype_shape_and_layout() -> Result<()> {
 #[test]
 fn rows_that_see_no_key_are_zero() -> Result<()> {
     for_each_device(|dev| {
-        if held_back(dev) {
-            return Ok(());
-        }
         let (b, h, m, n, d) = (1, 2, 9, 9, 8);
         let mut bytes = random_bytes(m * n, 0.6, 12);
         for j in 0..n {
@@ -473,9 +450,6 @@ fn composed(
 #[test]
 fn gradients_match_composed_attention() -> Result<()> {
     for_each_device(|dev| {
-        if held_back(dev) {
-            return Ok(());
-        }
         let (b, h, hk, m, n, d, dv) = (2, 4, 2, 70, 133, 16, 24);
         let docs = documents(b, 133, 21);
         let cases = [
@@ -638,9 +612,6 @@ fn bad_input_is_a_clear_error() -> Result<()> {
 #[test]
 fn gradients_repeat_bit_for_bit() -> Result<()> {
     for_each_device(|dev| {
-        if held_back(dev) {
-            return Ok(());
-        }
         let dims = (1, 4, 2, 130, 130, 64, 64);
         let docs = Spec::Documents(documents(1, 130, 80), true);
         for dtype in attention_dtypes(dev) {
