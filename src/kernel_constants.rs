@@ -87,7 +87,8 @@ pub mod attention {
     /// Queries and keys per tile of the tensor-core kernels (and of the mask's tile states).
     pub const TILE_Q: usize = 64;
     pub const TILE_K: usize = 64;
-    /// Warps per block of the tensor-core kernels (16 query or key rows each).
+    /// Warps per block of the tensor-core kernels (16 or 32 query rows each in the forward and
+    /// dq, 16 key rows each in dk / dv).
     pub const WARPS: usize = 4;
     /// Elements of padding after each shared-memory row (keeps ldmatrix free of bank conflicts).
     pub const ROW_PAD: usize = 8;

@@ -162,10 +162,13 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
     // The kernels, as the host picks them.
     const bool rows = std::is_same_v<T, float>;
     const int64_t dmax = std::max(pd, pdv), D = dmax <= 64 ? 64 : dmax <= 128 ? 128 : 256;
-    const size_t tile = 64 * (D + C::ROW_PAD) * sizeof(T), stages = D > 128 ? 1 : 2;
+    // Tiles per block, stages and shared memory as the host's launch code picks them.
+    const size_t tile = 64 * (D + C::ROW_PAD) * sizeof(T), qtiles = D > 128 ? 1 : 2;
+    const size_t fwd_stages = D > 128 ? 1 : 2, dq_stages = D >= 128 ? 1 : 2, dkdv_stages = D > 128 ? 1 : 2;
+    const int64_t query_blocks = c.b * c.h * ((rt + qtiles - 1) / qtiles);
     std::vector<T> out(c.b * c.h * c.m * pdv, Host<T>::from(NAN)), dq(q.size(), Host<T>::from(NAN)),
         dk(k.size(), Host<T>::from(NAN)), dvv(v.size(), Host<T>::from(NAN));
-    std::vector<float> lse(c.b * c.h * c.m, NAN), delta(c.b * c.h * c.m);
+    std::vector<float> lse(c.b * c.h * c.m, NAN), delta(c.b * c.h * c.m, NAN);
     auto blocks = [](int64_t x) { return Dim3{static_cast<uint32_t>(x), 1, 1}; };
     if (rows) {
         const int w = C::ROW_WARPS;
@@ -176,7 +179,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
                [&] { attention_fwd_rows_f32(qf, kf, vf, reinterpret_cast<float*>(out.data()), lse.data(), st, de, id, a); });
     } else {
 #define FWD(DD)                                                                                              \
-    launch(blocks(c.b * c.h * rt), 128, (1 + 2 * stages) * tile,                                              \
+    launch(blocks(query_blocks), 128, (qtiles + 2 * fwd_stages) * tile,                                              \
            [&] { attention_fwd_d##DD##_X(q.data(), k.data(), v.data(), out.data(), lse.data(), st, de, id, a); })
         if constexpr (std::is_same_v<T, __half>) {
 #define attention_fwd_d64_X attention_fwd_d64_f16
@@ -196,40 +199,48 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
 #undef attention_fwd_d256_X
         }
     }
-    // delta from the rounded output, as the host composes it.
-    for (int64_t r = 0; r < c.b * c.h * c.m; ++r) {
-        float s = 0.f;
-        for (int64_t x = 0; x < pdv; ++x) s += static_cast<float>(Host<T>::to(out[r * pdv + x]) * Host<T>::to(go[r * pdv + x]));
-        delta[r] = s;
-    }
+    // delta = rowsum(dO * O) is written by the dq pass and read by the dk / dv pass.
     if (rows) {
         const int w = C::ROW_WARPS;
         auto f = [](auto& x) { return reinterpret_cast<float*>(x.data()); };
         auto cf = [](const auto& x) { return reinterpret_cast<const float*>(x.data()); };
         launch(blocks((c.b * c.h * c.m + w - 1) / w), w * 32, 0, [&] {
-            attention_dq_rows_f32(cf(q), cf(k), cf(v), cf(go), lse.data(), delta.data(), f(dq), st, de, id, a);
+            attention_dq_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dq), st, de, id, a);
         });
         launch(blocks((c.b * c.hk * c.n + w - 1) / w), w * 32, 0, [&] {
-            attention_dkdv_rows_f32(cf(q), cf(k), cf(v), cf(go), lse.data(), delta.data(), f(dk), f(dvv), st, de, id, a);
+            attention_dkdv_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dk), f(dvv), st, de,
+                                    id, a);
         });
     } else {
-        const size_t dq_smem = (2 + 2 * stages) * tile, dkdv_smem = dq_smem + 2 * stages * 64 * 4;
+        const size_t dq_smem = (2 * qtiles + 2 * dq_stages) * tile,
+                     dkdv_smem = (2 + 2 * dkdv_stages) * tile + 2 * dkdv_stages * 64 * 4;
         const Dim3 dkdv_grid{static_cast<uint32_t>(c.b * c.hk * ct), D > 128 ? 2u : 1u, 1};
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \
-        launch(blocks(c.b * c.h * rt), 128, dq_smem, [&] {                                                          \
-            attention_dq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), lse.data(), delta.data(), dq.data(), st, \
-                                     de, id, a);                                                                    \
+        launch(blocks(query_blocks), 128, dq_smem, [&] {                                                          \
+            attention_dq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),    \
+                                     dq.data(), st, de, id, a);                                                     \
         });                                                                                                         \
         launch(dkdv_grid, 128, dkdv_smem, [&] {                                                                     \
-            attention_dkdv_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), lse.data(), delta.data(), dk.data(),  \
-                                       dvv.data(), st, de, id, a);                                                  \
+            attention_dkdv_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(), \
+                                       dk.data(), dvv.data(), st, de, id, a);                                       \
         });                                                                                                         \
     } while (0)
         if constexpr (std::is_same_v<T, __half>) {
             if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
         } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
             if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
+        }
+    }
+    // The dq pass's delta against rowsum(dO * O) of the rounded output.
+    int delta_failures = 0;
+    for (int64_t r = 0; r < c.b * c.h * c.m; ++r) {
+        double want = 0;
+        for (int64_t x = 0; x < pdv; ++x) want += static_cast<double>(Host<T>::to(out[r * pdv + x])) * Host<T>::to(go[r * pdv + x]);
+        if (!(std::abs(delta[r] - want) <= 1e-4 * (1 + std::abs(want)))) {
+            std::printf("  FAIL  delta row %lld: got %g, want %g\n", static_cast<long long>(r), delta[r], want);
+            ++delta_failures;
+            break;
         }
     }
 
@@ -280,7 +291,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
         }
     const double tol_out = rows ? 2e-5 : std::is_same_v<T, __half> ? 4e-3 : 3e-2;
     const double tol_grad = rows ? 1e-4 : std::is_same_v<T, __half> ? 1e-2 : 5e-2;
-    int failures = 0;
+    int failures = delta_failures;
     auto compare = [&](const char* what, auto&& got, const std::vector<double>& want, double tol) {
         double worst = 0;
         size_t at = 0;

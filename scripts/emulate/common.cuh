@@ -23,6 +23,7 @@
 #define __launch_bounds__(...)
 
 struct uint4 { uint32_t x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
 struct Dim3 { uint32_t x = 0, y = 0, z = 0; };
 inline Dim3 threadIdx, blockIdx;
 inline Dim3 gridDim, blockDim;

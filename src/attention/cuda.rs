@@ -274,18 +274,30 @@ impl Path {
         Ok(kernel)
     }
 
-    /// Dynamic shared memory of a pass (mirrors the tile layout of the kernels): 64-row tiles of
-    /// `head_tile + ROW_PAD` elements; one stage of the streamed operands where the head tile is
-    /// 256, two otherwise.
+    /// Mask tiles of `TILE_Q` queries per block of the query-tile passes (forward, dq): two up to
+    /// a head tile of 128, one at 256 (mirrors `query_tiles` of the kernels).
+    fn query_tiles(self) -> usize {
+        match self {
+            Path::TensorCores { head_tile } if head_tile <= 128 => 2,
+            _ => 1,
+        }
+    }
+
+    /// Dynamic shared memory of a pass (mirrors the tile layout and `stages` of the kernels):
+    /// 64-row tiles of `head_tile + ROW_PAD` elements; the resident operands (`query_tiles` tiles
+    /// of q, and of dO for dq; one of k and v for dk / dv) and one or two stages of the streamed
+    /// ones.
     fn shared_bytes(self, pass: Pass, elem: usize) -> usize {
         let Path::TensorCores { head_tile } = self else {
             return 0;
         };
         let tile = 64 * (head_tile + C::ROW_PAD) * elem;
-        let stages = if head_tile > 128 { 1 } else { 2 };
+        let one_stage = head_tile > 128 || (head_tile == 128 && pass == Pass::Dq);
+        let stages = if one_stage { 1 } else { 2 };
+        let query_tiles = self.query_tiles();
         match pass {
-            Pass::Forward => (1 + 2 * stages) * tile,
-            Pass::Dq => (2 + 2 * stages) * tile,
+            Pass::Forward => (query_tiles + 2 * stages) * tile,
+            Pass::Dq => (2 * query_tiles + 2 * stages) * tile,
             Pass::Dkdv => (2 + 2 * stages) * tile + 2 * stages * TILE_Q * 4,
         }
     }
@@ -295,7 +307,9 @@ impl Path {
         match self {
             Path::TensorCores { head_tile } => {
                 let blocks = match pass {
-                    Pass::Forward | Pass::Dq => p.batch * p.heads * p.m.div_ceil(TILE_Q),
+                    Pass::Forward | Pass::Dq => {
+                        p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(self.query_tiles())
+                    }
                     Pass::Dkdv => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
                 };
                 let slices = if pass == Pass::Dkdv && head_tile > 128 {
@@ -396,15 +410,15 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-/// What the backward reads: the forward's operands as it got them, the output's gradient
-/// (`[b, h, m, dv]`, contiguous), the log-sum-exp and delta = rowsum(dO * O) (f32 `[b, h, m]`).
+/// What the backward reads: the forward's operands as it got them, its output and the output's
+/// gradient (`[b, h, m, dv]`, contiguous, rows 16-byte aligned) and the log-sum-exp.
 pub(super) struct BackwardInputs<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
     pub v: &'a Tensor,
+    pub out: &'a Tensor,
     pub grad_out: &'a Tensor,
     pub lse: &'a Tensor,
-    pub delta: &'a Tensor,
 }
 
 /// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
@@ -424,9 +438,9 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         q,
         k,
         v,
+        out,
         grad_out,
         lse,
-        delta,
     }: &BackwardInputs<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let candle_core::Device::Cuda(dev) = q.device() else {
@@ -435,35 +449,39 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let dq = alloc_output::<T>(dev, q.elem_count())?;
     let dk = alloc_output::<T>(dev, k.elem_count())?;
     let dv = alloc_output::<T>(dev, v.elem_count())?;
+    // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq pass, read by the dk / dv pass.
+    let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     let path = Path::of(p, T::DTYPE);
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let (hq, hk, hv) = (Held::new(q), Held::new(k), Held::new(v));
-    let (hg, hl, hd) = (Held::new(grad_out), Held::new(lse), Held::new(delta));
-    let (qv, kv, vv, gv) = (
+    let (ho, hg, hl) = (Held::new(out), Held::new(grad_out), Held::new(lse));
+    let (qv, kv, vv, ov, gv) = (
         hq.view::<T>()?,
         hk.view::<T>()?,
         hv.view::<T>()?,
+        ho.view::<T>()?,
         hg.view::<T>()?,
     );
-    let (lv, dlv) = (hl.view::<f32>()?, hd.view::<f32>()?);
+    let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
     let views = mask_views(&held)?;
     let elem = T::DTYPE.size_in_bytes();
-    // The two passes share their inputs: q, k, v, grad_out, lse, delta, then their outputs, then
-    // the mask's buffers and the arguments.
+    // The two passes share their arguments: q, k, v, grad_out, out, lse, delta, then their
+    // outputs, then the mask's buffers and the arguments.
     let run = |pass: Pass, outputs: &[&CudaSlice<T>]| -> Result<()> {
         let kernel = path.kernel::<T>(dev, pass)?;
-        // SAFETY: the arguments match `attention_dq_*(q, k, v, grad_out, lse, delta, dq, states,
-        // dense, ids, args)` and `attention_dkdv_*(..., delta, dk, dv, states, ...)`. Reads are
-        // as in the forward plus rows below m of grad_out, lse and delta (contiguous); dq writes
-        // rows below m of dq ([b, h, m, d]), dkdv rows below n of dk ([b, hk, n, d]) and dv
-        // ([b, hk, n, dv]), all contiguous.
+        // SAFETY: the arguments match `attention_dq_*(q, k, v, grad_out, out, lse, delta, dq,
+        // states, dense, ids, args)` and `attention_dkdv_*(..., delta, dk, dv, states, ...)`.
+        // Reads are as in the forward plus rows below m of grad_out, out and lse (contiguous, rows
+        // 16-byte aligned as `operand_ok` checked); dq writes rows below m of delta
+        // ([b, h, m], before dkdv reads them on the same stream) and of dq ([b, h, m, d]), dkdv
+        // rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]), all contiguous.
         unsafe {
             kernel.launch(path.config(p, pass, elem), |a_| {
-                for x in [&qv, &kv, &vv, &gv] {
+                for x in [&qv, &kv, &vv, &gv, &ov] {
                     a_.arg(x);
                 }
-                a_.arg(&lv).arg(&dlv);
+                a_.arg(&lv).arg(&delta);
                 for out in outputs {
                     a_.arg(*out);
                 }

@@ -418,8 +418,8 @@ impl Attention {
 }
 
 impl Attention {
-    /// The CUDA backward: delta = rowsum(dO * O) composed from candle ops, then the dq and dk / dv
-    /// kernels.
+    /// The CUDA backward: the dq kernel (which also writes delta = rowsum(dO * O)), then the
+    /// dk / dv kernel.
     #[cfg(feature = "cuda")]
     fn cuda_backward(
         &self,
@@ -427,24 +427,25 @@ impl Attention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let go = grad_out.contiguous()?;
-        let go = if cuda::operand_ok(go.layout(), go.dtype()) {
-            go
-        } else {
-            go.affine(1.0, 0.0)?
+        // Contiguous, with 16-byte aligned rows (a copy otherwise).
+        let aligned = |t: &Tensor| -> Result<Tensor> {
+            let t = t.contiguous()?;
+            if cuda::operand_ok(t.layout(), t.dtype()) {
+                Ok(t)
+            } else {
+                t.affine(1.0, 0.0)
+            }
         };
-        let delta = (out.to_dtype(DType::F32)? * go.to_dtype(DType::F32)?)?
-            .sum(3)?
-            .contiguous()?;
+        let (out, go) = (aligned(out)?, aligned(grad_out)?);
         let lse = self.saved_lse()?;
         let mask = cuda::DeviceMask::new(&self.mask, &self.p, q.device())?;
         let inputs = cuda::BackwardInputs {
             q,
             k,
             v,
+            out: &out,
             grad_out: &go,
             lse: &lse,
-            delta: &delta,
         };
         cuda::backward(&self.p, &mask, &inputs)
     }

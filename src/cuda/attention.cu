@@ -3,8 +3,9 @@
 // skipped and the tiles it keeps whole taken without per-element masking.
 //
 // Tensor-core kernels (f16 / bf16 operands, f32 accumulation and softmax statistics, mma.sync
-// m16n8k16, sm_80 and up): a block of WARPS warps takes a tile of 64 queries (forward, dq) or 64
-// keys (dk / dv), a warp 16 rows of it. Head dims are padded with zeros to D (64, 128 or 256) in
+// m16n8k16, sm_80 and up): a block of WARPS warps takes query_tiles<D>() mask tiles of 64 queries
+// (forward, dq; a warp 16 or 32 rows of them, in key chunks of 32) or one tile of 64 keys (dk / dv;
+// a warp 16 keys). Head dims are padded with zeros to D (64, 128 or 256) in
 // shared memory; the host pads the operands to a multiple of 8 and needs unit column strides and
 // 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
 // their products (as FlashAttention does); everything else stays f32.
@@ -116,12 +117,12 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
 // is at row g + (r / 2) * 8, column 2t + (r % 2).
 
 // Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major global tile
-// into a 64 x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
-template <typename T, int D>
+// into a ROWS x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
+template <typename T, int D, int ROWS = 64>
 __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int64_t rows, int64_t cols) {
     constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8;
 #pragma unroll 4
-    for (int c = threadIdx.x; c < 64 * CHUNKS; c += THREADS) {
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         const bool valid = r < rows && col < cols;
         cp_async16(shared_address(tile + r * LD + col), valid ? src + r * row_stride + col : src, valid ? 16 : 0);
@@ -147,45 +148,56 @@ __device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const T* tile, in
     ldmatrix_x4<true>(b, shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
 }
 
-// acc (16 x 64) = rows r0.. of `a_tile` . rows 0..63 of `b_tile`ᵀ, over the first k_len columns
-// (rounded up to 16; the padding is zero).
-template <typename T, int K, int LD>
-__device__ __forceinline__ void product_abt(float (&acc)[8][4], const T* a_tile, int r0, const T* b_tile, int64_t k_len,
-                                            int lane) {
+// acc (16 MF x 8 NT) = rows r0.. (MF fragments of 16) of `a_tile` . rows n0.. (8 NT) of
+// `b_tile`ᵀ, over the first k_len columns (rounded up to 16; the padding is zero). Each B fragment
+// serves all MF row fragments.
+template <typename T, int K, int LD, int MF, int NT>
+__device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
+                                            int64_t k_len, int lane) {
+    static_assert(NT % 2 == 0, "B fragments come in pairs of 8-column tiles");
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int f = 0; f < MF; ++f)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         if (kk * 16 < k_len) {
-            uint32_t a[4];
-            load_a<T, LD>(a, a_tile, r0, kk * 16, lane);
+            uint32_t a[MF][4];
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
+            for (int f = 0; f < MF; ++f) load_a<T, LD>(a[f], a_tile, r0 + 16 * f, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
                 uint32_t b[4];
-                load_b<T, LD>(b, b_tile, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc[2 * np], a, b[0], b[1]);
-                mma_m16n8k16<T>(acc[2 * np + 1], a, b[2], b[3]);
+                load_b<T, LD>(b, b_tile, n0 + np * 16, kk * 16, lane);
+#pragma unroll
+                for (int f = 0; f < MF; ++f) {
+                    mma_m16n8k16<T>(acc[f][2 * np], a[f], b[0], b[1]);
+                    mma_m16n8k16<T>(acc[f][2 * np + 1], a[f], b[2], b[3]);
+                }
             }
         }
     }
 }
 
-// acc (16 x N) += p (16 x 64, A fragments) . rows 0..63 of `b_tile` (stored [k][n]), over the
-// first n_len columns (rounded up to 16).
-template <typename T, int N, int LD>
-__device__ __forceinline__ void product_pb(float (&acc)[N / 8][4], const uint32_t (&p)[4][4], const T* b_tile,
-                                           int64_t n_len, int lane) {
+// acc (16 MF x N) += p (16 MF x 16 KS, A fragments) . rows k0.. (16 KS) of `b_tile` (stored
+// [k][n]), over the first n_len columns (rounded up to 16).
+template <typename T, int N, int LD, int MF, int KS>
+__device__ __forceinline__ void product_pb(float (&acc)[MF][N / 8][4], const uint32_t (&p)[MF][KS][4],
+                                           const T* b_tile, int k0, int64_t n_len, int lane) {
 #pragma unroll
     for (int dt = 0; dt < N / 16; ++dt) {
         if (dt * 16 < n_len) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
+            for (int kk = 0; kk < KS; ++kk) {
                 uint32_t b[4];
-                load_b_trans<T, LD>(b, b_tile, kk * 16, dt * 16, lane);
-                mma_m16n8k16<T>(acc[2 * dt], p[kk], b[0], b[1]);
-                mma_m16n8k16<T>(acc[2 * dt + 1], p[kk], b[2], b[3]);
+                load_b_trans<T, LD>(b, b_tile, k0 + kk * 16, dt * 16, lane);
+#pragma unroll
+                for (int f = 0; f < MF; ++f) {
+                    mma_m16n8k16<T>(acc[f][2 * dt], p[f][kk], b[0], b[1]);
+                    mma_m16n8k16<T>(acc[f][2 * dt + 1], p[f][kk], b[2], b[3]);
+                }
             }
         }
     }
@@ -197,10 +209,11 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y
     return r;
 }
 
-// The A fragments (16 x 64, four k-steps of 16) of an accumulator tile, rounded to T.
-template <typename T> __device__ __forceinline__ void to_a_fragments(uint32_t (&p)[4][4], const float (&s)[8][4]) {
+// The A fragments (16 x 16 KS, KS k-steps of 16) of an accumulator tile, rounded to T.
+template <typename T, int KS>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&p)[KS][4], const float (&s)[2 * KS][4]) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < KS; ++kk) {
         p[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
         p[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
         p[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
@@ -236,9 +249,19 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Shared tiles: 64 x (D + ROW_PAD) elements each. D = 256 keeps one stage of the streamed
-// operands (so that sm_80's 163 KiB hold the backward), smaller D two.
-template <int D> __host__ __device__ constexpr int stages() { return D > 128 ? 1 : 2; }
+enum class Pass { Forward, Dq, Dkdv };
+
+// Mask tiles of 64 queries per block of the query-tile kernels (forward, dq): two up to D = 128,
+// where a warp takes 32 rows so that each K / V fragment it reads from shared memory serves two
+// row fragments; one at D = 256, for register room. Mirrored by the host's launch code.
+template <int D> __host__ __device__ constexpr int query_tiles() { return D > 128 ? 1 : 2; }
+
+// Pipeline stages of the streamed operands (K / V, or Q / dO for dk / dv): one where two would keep
+// a second block off the SM (dq at D = 128) or overflow sm_80's 163 KiB (D = 256), two otherwise.
+// Shared tiles are 64 x (D + ROW_PAD) elements each. Mirrored by the host's `shared_bytes`.
+template <int D> __host__ __device__ constexpr int stages(Pass pass) {
+    return (D > 128 || (D == 128 && pass == Pass::Dq)) ? 1 : 2;
+}
 template <typename T, int D> __host__ __device__ constexpr int tile_elements() { return 64 * (D + AC::ROW_PAD); }
 
 // The software pipeline of every tensor-core kernel: `load(item, stage)` issues a stage's
@@ -273,12 +296,14 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
     cp_async_wait<0>();
 }
 
-// The block of a query-tile kernel (forward, dq): its batch entry, head and 64 queries (the
-// longest rows first, for causal masks), and the walk over the key tiles the mask leaves.
+// The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
+// queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
+// to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
 template <typename T, int D> struct QueryTile {
+    static constexpr int MF = query_tiles<D>(), WARP_ROWS = 16 * MF;
     const AttentionArgs& a;
     MaskView mask;
-    int64_t qt, bh, h, i0, rows;
+    int64_t qt0, warp_qt, bh, h, i0, rows;
     const T* q_tile;
     const T* k_head;
     const T* v_head;
@@ -287,27 +312,50 @@ template <typename T, int D> struct QueryTile {
                                          const uint8_t* states, const uint8_t* dense, const int64_t* ids)
         : a(a_), mask{a_, states, dense, ids, 0} {
         const int64_t heads_total = a.batch * a.heads, block = blockIdx.x;
-        qt = a.row_tiles - 1 - block / heads_total;
+        const int64_t row_blocks = (a.row_tiles + MF - 1) / MF;
+        qt0 = (row_blocks - 1 - block / heads_total) * MF;
+        warp_qt = qt0 + (threadIdx.x >> 5) * WARP_ROWS / BQ;
         bh = block % heads_total;
         const int64_t b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
         h = bh % a.heads;
         mask.b = b;
-        i0 = qt * BQ;
-        rows = min(static_cast<int64_t>(BQ), a.m - i0);
+        i0 = qt0 * BQ;
+        rows = min(static_cast<int64_t>(BQ * MF), a.m - i0);
         q_tile = q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2];
         k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
         v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
     }
 
-    // The first key tile after kt that the mask does not hide (col_tiles when none); next(-1) is
-    // the first of all.
+    // The first key tile after kt that the mask leaves to any query tile of the block (col_tiles
+    // when none); next(-1) is the first of all.
     __device__ __forceinline__ int64_t next(int64_t kt) const {
-        do ++kt;
-        while (kt < a.col_tiles && mask.tile_state(h, qt, kt) == TILE_EMPTY);
+        for (++kt; kt < a.col_tiles; ++kt)
+            for (int f = 0; f < MF; ++f)
+                if (qt0 + f < a.row_tiles && mask.tile_state(h, qt0 + f, kt) != TILE_EMPTY) return kt;
         return kt;
     }
 
-    __device__ __forceinline__ bool partial(int64_t kt) const { return mask.tile_state(h, qt, kt) != TILE_FULL; }
+    // The state of key tile kt for this warp's rows (empty past the last query tile).
+    __device__ __forceinline__ uint8_t warp_state(int64_t kt) const {
+        return warp_qt < a.row_tiles ? mask.tile_state(h, warp_qt, kt) : TILE_EMPTY;
+    }
+
+    // Which of a warp's scores in a chunk of KEY_CHUNK keys from j0 the mask keeps, as a bit per
+    // score (f * 16 + nt * 4 + r: row fragment f, 8-key tile nt, accumulator element r).
+    template <int CHUNK_TILES>
+    __device__ __forceinline__ uint32_t keep_bits(int64_t row0, int64_t j0, int g, int t) const {
+        static_assert(MF * CHUNK_TILES * 4 <= 32, "a bit per score of the chunk");
+        uint32_t bits = 0;
+#pragma unroll
+        for (int f = 0; f < MF; ++f)
+#pragma unroll
+            for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
+                        bits |= 1u << (f * 16 + nt * 4 + r);
+        return bits;
+    }
 
     __device__ __forceinline__ void load_kv(int64_t kt, T* sk, T* sv) const {
         const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
@@ -316,135 +364,215 @@ template <typename T, int D> struct QueryTile {
     }
 };
 
+// Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
+// 16 MF x KEY_CHUNK.
+constexpr int KEY_CHUNK = 32;
+constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
+
 template <typename T, int D>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
+    constexpr int MF = query_tiles<D>();
     extern __shared__ uint4 shared_raw[];
-    T* sq = reinterpret_cast<T*>(shared_raw);
-    T* sk = sq + E;          // S stages
-    T* sv = sq + (1 + S) * E;  // S stages
+    T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
+    T* sk = sq + MF * E;                        // S stages
+    T* sv = sq + (MF + S) * E;                  // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
-    const int64_t i0 = tile.i0, bh = tile.bh;
-    load_tile<T, D>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
+    const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
+    load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
 
-    float o[D / 8][4];
+    float o[MF][D / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) o[nt][r] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-
-    auto next = [&](int64_t kt) { return tile.next(kt); };
-    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
-    auto work = [&](int64_t kt, int stage) {
-        float s[8][4];
-        product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
-        const bool partial = tile.partial(kt);
-        const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                float x = s[nt][r] * a.scale_log2;
-                if (partial && !tile.mask.keeps(tile.h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1))) x = -INFINITY;
-                s[nt][r] = x;
-                tile_max[r >> 1] = fmaxf(tile_max[r >> 1], x);
-            }
-        float base[2], alpha[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
-            base[half] = new_max == -INFINITY ? 0.f : new_max;
-            alpha[half] = exp2f(row_max[half] - base[half]);
-            row_max[half] = new_max;
-            row_sum[half] *= alpha[half];
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float p = exp2f(s[nt][r] - base[r >> 1]);
-                s[nt][r] = p;
-                row_sum[r >> 1] += p;
-            }
+    for (int f = 0; f < MF; ++f)
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) o[nt][r] *= alpha[r >> 1];
-        uint32_t p[4][4];
-        to_a_fragments<T>(p, s);
-        product_pb<T, D, LD>(o, p, sv + stage * E, a.dv, lane);
-    };
-    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
-
-    float inv[2];
+            for (int r = 0; r < 4; ++r) o[f][nt][r] = 0.f;
+    float row_max[MF][2], row_sum[MF][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float sum = quad_sum(row_sum[half]);
-        inv[half] = sum > 0.f ? 1.f / sum : 0.f;
-        const int64_t row = i0 + warp * 16 + g + half * 8;
-        if (t == 0 && row < a.m) lse[bh * a.m + row] = sum > 0.f ? (row_max[half] + log2f(sum)) * LN2 : -INFINITY;
-    }
-    store_rows<T, D>(out + bh * a.m * a.dv, o, i0 + warp * 16, a.m, a.dv, inv[0], inv[1], lane);
-}
-
-// dq = scale * sum over keys of dS K, dS = P * (dO Vᵀ - delta), per query tile.
-template <typename T, int D>
-__device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                      const T* __restrict__ grad_out, const float* __restrict__ lse,
-                                      const float* __restrict__ delta, T* __restrict__ dq, const uint8_t* states,
-                                      const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
-    extern __shared__ uint4 shared_raw[];
-    T* sq = reinterpret_cast<T*>(shared_raw);
-    T* sdo = sq + E;
-    T* sk = sq + 2 * E;        // S stages
-    T* sv = sq + (2 + S) * E;  // S stages
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
-    const int64_t i0 = tile.i0, bh = tile.bh;
-    load_tile<T, D>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
-    load_tile<T, D>(sdo, grad_out + (bh * a.m + i0) * a.dv, a.dv, tile.rows, a.dv);
-
-    float row_lse[2], row_delta[2];
+    for (int f = 0; f < MF; ++f)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int64_t row = i0 + warp * 16 + g + half * 8;
-        row_lse[half] = lse_log2(lse, bh * a.m + row, row < a.m);
-        row_delta[half] = row < a.m ? delta[bh * a.m + row] : 0.f;
-    }
-    float acc[D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+        for (int half = 0; half < 2; ++half) {
+            row_max[f][half] = -INFINITY;
+            row_sum[f][half] = 0.f;
+        }
 
     auto next = [&](int64_t kt) { return tile.next(kt); };
     auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
     auto work = [&](int64_t kt, int stage) {
-        float s[8][4], dp[8][4];
-        product_abt<T, D, LD>(s, sq, warp * 16, sk + stage * E, a.d, lane);
-        product_abt<T, D, LD>(dp, sdo, warp * 16, sv + stage * E, a.dv, lane);
-        const bool partial = tile.partial(kt);
-        const int64_t row = i0 + warp * 16 + g, j0 = kt * BK + 2 * t;
+        const uint8_t state = tile.warp_state(kt);
+        if (state == TILE_EMPTY) return;
+        const bool partial = state != TILE_FULL;
+#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
+        for (int c = 0; c < BK / KEY_CHUNK; ++c) {
+            float s[MF][CHUNK_TILES][4];
+            product_abt<T, D, LD, MF, CHUNK_TILES>(s, sq, warp * 16 * MF, sk + stage * E, c * KEY_CHUNK, a.d, lane);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+            for (int f = 0; f < MF; ++f)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const bool keep = !partial || tile.mask.keeps(tile.h, row + (r >> 1) * 8, j0 + nt * 8 + (r & 1));
-                const float p = keep ? exp2f(s[nt][r] * a.scale_log2 - row_lse[r >> 1]) : 0.f;
-                s[nt][r] = p * (dp[nt][r] - row_delta[r >> 1]);
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) s[f][nt][r] *= a.scale_log2;
+            if (partial) {
+                const uint32_t keep = tile.template keep_bits<CHUNK_TILES>(row0, kt * BK + c * KEY_CHUNK, g, t);
+#pragma unroll
+                for (int f = 0; f < MF; ++f)
+#pragma unroll
+                    for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r)
+                            if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = -INFINITY;
             }
-        uint32_t ds[4][4];
-        to_a_fragments<T>(ds, s);
-        product_pb<T, D, LD>(acc, ds, sk + stage * E, a.d, lane);
+            float alpha[MF][2];
+#pragma unroll
+            for (int f = 0; f < MF; ++f) {
+                float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) tile_max[r >> 1] = fmaxf(tile_max[r >> 1], s[f][nt][r]);
+                float base[2];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float new_max = fmaxf(row_max[f][half], quad_max(tile_max[half]));
+                    base[half] = new_max == -INFINITY ? 0.f : new_max;
+                    alpha[f][half] = exp2f(row_max[f][half] - base[half]);
+                    row_max[f][half] = new_max;
+                    row_sum[f][half] *= alpha[f][half];
+                }
+#pragma unroll
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const float p = exp2f(s[f][nt][r] - base[r >> 1]);
+                        s[f][nt][r] = p;
+                        row_sum[f][r >> 1] += p;
+                    }
+#pragma unroll
+                for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) o[f][nt][r] *= alpha[f][r >> 1];
+            }
+            uint32_t p[MF][CHUNK_STEPS][4];
+#pragma unroll
+            for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK_STEPS>(p[f], s[f]);
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, sv + stage * E, c * KEY_CHUNK, a.dv, lane);
+        }
     };
     pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
-    store_rows<T, D>(dq + bh * a.m * a.d, acc, i0 + warp * 16, a.m, a.d, a.scale, a.scale, lane);
+
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+        float inv[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float sum = quad_sum(row_sum[f][half]);
+            inv[half] = sum > 0.f ? 1.f / sum : 0.f;
+            const int64_t row = row0 + 16 * f + g + half * 8;
+            if (t == 0 && row < a.m) lse[bh * a.m + row] = sum > 0.f ? (row_max[f][half] + log2f(sum)) * LN2 : -INFINITY;
+        }
+        store_rows<T, D>(out + bh * a.m * a.dv, o[f], row0 + 16 * f, a.m, a.dv, inv[0], inv[1], lane);
+    }
+}
+
+// dq = scale * sum over keys of dS K, dS = P * (dO Vᵀ - delta), per query tile; delta = rowsum(dO * O)
+// (in f32 from the operand type), which the dk / dv pass reads, is written here.
+template <typename T, int D>
+__device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                      const T* __restrict__ grad_out, const T* __restrict__ out,
+                                      const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
+                                      const uint8_t* states, const uint8_t* dense, const int64_t* ids,
+                                      const AttentionArgs& a) {
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
+    constexpr int MF = query_tiles<D>();
+    extern __shared__ uint4 shared_raw[];
+    T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
+    T* sdo = sq + MF * E;                       // MF tiles
+    T* sk = sq + 2 * MF * E;                    // S stages
+    T* sv = sq + (2 * MF + S) * E;              // S stages
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
+    const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
+    load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
+    load_tile<T, D, 64 * MF>(sdo, grad_out + (bh * a.m + tile.i0) * a.dv, a.dv, tile.rows, a.dv);
+
+    float row_lse[MF][2], row_delta[MF][2];
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int64_t row = row0 + 16 * f + g + half * 8;
+            row_lse[f][half] = lse_log2(lse, bh * a.m + row, row < a.m);
+            // The four lanes of a quad share the row: lane t takes columns 8 t.. of every 32.
+            float sum = 0.f;
+            if (row < a.m) {
+                const T* o_row = out + (bh * a.m + row) * a.dv;
+                const T* g_row = grad_out + (bh * a.m + row) * a.dv;
+                for (int64_t col = 8 * t; col < a.dv; col += 32)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_row[col + e]), to_float(g_row[col + e]), sum);
+            }
+            sum = quad_sum(sum);
+            row_delta[f][half] = sum;
+            if (t == 0 && row < a.m) delta[bh * a.m + row] = sum;
+        }
+    float acc[MF][D / 8][4];
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
+
+    auto next = [&](int64_t kt) { return tile.next(kt); };
+    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
+    auto work = [&](int64_t kt, int stage) {
+        const uint8_t state = tile.warp_state(kt);
+        if (state == TILE_EMPTY) return;
+        const bool partial = state != TILE_FULL;
+#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
+        for (int c = 0; c < BK / KEY_CHUNK; ++c) {
+            float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
+            product_abt<T, D, LD, MF, CHUNK_TILES>(s, sq, warp * 16 * MF, sk + stage * E, c * KEY_CHUNK, a.d, lane);
+#pragma unroll
+            for (int f = 0; f < MF; ++f)
+#pragma unroll
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) s[f][nt][r] = exp2f(fmaf(s[f][nt][r], a.scale_log2, -row_lse[f][r >> 1]));
+            if (partial) {
+                const uint32_t keep = tile.template keep_bits<CHUNK_TILES>(row0, kt * BK + c * KEY_CHUNK, g, t);
+#pragma unroll
+                for (int f = 0; f < MF; ++f)
+#pragma unroll
+                    for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r)
+                            if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = 0.f;
+            }
+            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, sv + stage * E, c * KEY_CHUNK, a.dv, lane);
+            uint32_t ds[MF][CHUNK_STEPS][4];
+#pragma unroll
+            for (int f = 0; f < MF; ++f) {
+#pragma unroll
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const float p = s[f][nt][r];
+                        s[f][nt][r] = p * (dp[f][nt][r] - row_delta[f][r >> 1]);
+                    }
+                to_a_fragments<T, CHUNK_STEPS>(ds[f], s[f]);
+            }
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, sk + stage * E, c * KEY_CHUNK, a.d, lane);
+        }
+    };
+    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+        store_rows<T, D>(dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
 }
 
 // dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
@@ -455,7 +583,7 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
                                         const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                                         const uint8_t* states, const uint8_t* dense, const int64_t* ids,
                                         const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(), E = tile_elements<T, D>();
+    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
     extern __shared__ uint4 shared_raw[];
     T* sk = reinterpret_cast<T*>(shared_raw);
     T* sv = sk + E;
@@ -474,13 +602,13 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
     load_tile<T, D>(sk, k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
     load_tile<T, D>(sv, v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
 
-    float acc_dk[(PARTS & 2) ? D / 8 : 1][4], acc_dv[(PARTS & 1) ? D / 8 : 1][4];
+    float acc_dk[1][(PARTS & 2) ? D / 8 : 1][4], acc_dv[1][(PARTS & 1) ? D / 8 : 1][4];
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            if constexpr ((PARTS & 2) != 0) acc_dk[nt][r] = 0.f;
-            if constexpr ((PARTS & 1) != 0) acc_dv[nt][r] = 0.f;
+            if constexpr ((PARTS & 2) != 0) acc_dk[0][nt][r] = 0.f;
+            if constexpr ((PARTS & 1) != 0) acc_dv[0][nt][r] = 0.f;
         }
 
     // Items: (query head - h0) * row_tiles + query tile.
@@ -507,42 +635,53 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
     auto work = [&](int64_t item, int stage) {
         const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
         const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
-        float s[8][4];  // Sᵀ: rows are keys, columns queries
-        product_abt<T, D, LD>(s, sk, warp * 16, sq + stage * E, a.d, lane);
         const int64_t key = j0 + warp * 16 + g;
+        // The 64 queries of the item in chunks of KEY_CHUNK (the score registers are 16 x KEY_CHUNK).
+#pragma unroll(D > 64 ? 1 : BQ / KEY_CHUNK)
+        for (int c = 0; c < BQ / KEY_CHUNK; ++c) {
+            const int col0 = c * KEY_CHUNK + 2 * t;  // this lane's first query column in the item
+            float st[1][CHUNK_TILES][4];              // Sᵀ: rows are keys, columns queries
+            auto& s = st[0];
+            product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, a.d, lane);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+            for (int nt = 0; nt < CHUNK_TILES; ++nt) {
+                const float2 l = *reinterpret_cast<const float2*>(s_lse + stage * BQ + col0 + nt * 8);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int col = nt * 8 + 2 * t + (r & 1);
-                const bool keep = !partial || mask.keeps(h, i0 + col, key + (r >> 1) * 8);
-                s[nt][r] = keep ? exp2f(s[nt][r] * a.scale_log2 - s_lse[stage * BQ + col]) : 0.f;
+                for (int r = 0; r < 4; ++r) s[nt][r] = exp2f(fmaf(s[nt][r], a.scale_log2, -((r & 1) ? l.y : l.x)));
             }
-        if constexpr ((PARTS & 1) != 0) {
-            uint32_t p[4][4];
-            to_a_fragments<T>(p, s);
-            product_pb<T, D, LD>(acc_dv, p, sdo + stage * E, a.dv, lane);
-        }
-        if constexpr ((PARTS & 2) != 0) {
-            float dp[8][4];
-            product_abt<T, D, LD>(dp, sv, warp * 16, sdo + stage * E, a.dv, lane);
+            if (partial) {
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
+                for (int nt = 0; nt < CHUNK_TILES; ++nt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int col = nt * 8 + 2 * t + (r & 1);
-                    s[nt][r] *= dp[nt][r] - s_delta[stage * BQ + col];
+                    for (int r = 0; r < 4; ++r)
+                        if (!mask.keeps(h, i0 + col0 + nt * 8 + (r & 1), key + (r >> 1) * 8)) s[nt][r] = 0.f;
+            }
+            if constexpr ((PARTS & 1) != 0) {
+                uint32_t p[1][CHUNK_STEPS][4];
+                to_a_fragments<T, CHUNK_STEPS>(p[0], s);
+                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, a.dv, lane);
+            }
+            if constexpr ((PARTS & 2) != 0) {
+                float dpt[1][CHUNK_TILES][4];
+                auto& dp = dpt[0];
+                product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, a.dv, lane);
+#pragma unroll
+                for (int nt = 0; nt < CHUNK_TILES; ++nt) {
+                    const float2 dl = *reinterpret_cast<const float2*>(s_delta + stage * BQ + col0 + nt * 8);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) s[nt][r] *= dp[nt][r] - ((r & 1) ? dl.y : dl.x);
                 }
-            uint32_t ds[4][4];
-            to_a_fragments<T>(ds, s);
-            product_pb<T, D, LD>(acc_dk, ds, sq + stage * E, a.d, lane);
+                uint32_t ds[1][CHUNK_STEPS][4];
+                to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
+                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, a.d, lane);
+            }
         }
     };
     pipeline<S>(next(-1), end, next, load, work);
     const int64_t row0 = j0 + warp * 16;
     if constexpr ((PARTS & 2) != 0)
-        store_rows<T, D>(dk + bhk * a.n * a.d, acc_dk, row0, a.n, a.d, a.scale, a.scale, lane);
-    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(dv + bhk * a.n * a.dv, acc_dv, row0, a.n, a.dv, 1.f, 1.f, lane);
+        store_rows<T, D>(dk + bhk * a.n * a.d, acc_dk[0], row0, a.n, a.d, a.scale, a.scale, lane);
+    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(dv + bhk * a.n * a.dv, acc_dv[0], row0, a.n, a.dv, 1.f, 1.f, lane);
 }
 
 // ---- f32: a warp per row, a lane per 8 columns (lane + 32 e), dot products reduced across the warp.
@@ -645,9 +784,10 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ q, const T* _
 
 template <typename T>
 __device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                        const T* __restrict__ grad_out, const float* __restrict__ lse,
-                                        const float* __restrict__ delta, T* __restrict__ dq, const uint8_t* states,
-                                        const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+                                        const T* __restrict__ grad_out, const T* __restrict__ out,
+                                        const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
+                                        const uint8_t* states, const uint8_t* dense, const int64_t* ids,
+                                        const AttentionArgs& a) {
     const int lane = threadIdx.x & 31;
     const QueryRow<T> w(a, q, k, v, states, dense, ids);
     if (!w.valid) return;
@@ -655,7 +795,9 @@ __device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __rest
     float qr[PER_LANE], gr[PER_LANE], kr[PER_LANE], vr[PER_LANE], acc[PER_LANE] = {};
     load_row(qr, w.q_row, a.d, lane);
     load_row(gr, grad_out + row * a.dv, a.dv, lane);
-    const float row_lse = lse_log2(lse, row, true), row_delta = delta[row];
+    load_row(vr, out + row * a.dv, a.dv, lane);
+    const float row_lse = lse_log2(lse, row, true), row_delta = dot(gr, vr);
+    if (lane == 0) delta[row] = row_delta;
     for_visible_keys(w.mask, w.h, w.i, [&](int64_t j) {
         load_row(kr, w.k_head + j * a.k_strides[2], a.d, lane);
         load_row(vr, w.v_head + j * a.v_strides[2], a.dv, lane);
@@ -710,7 +852,9 @@ __device__ __forceinline__ void dkdv_rows(const T* __restrict__ q, const T* __re
 
 // Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
 // dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
-// accumulator) and attention_{fwd,dq,dkdv}_rows_f32.
+// accumulator) and attention_{fwd,dq,dkdv}_rows_f32. The two backward passes take one argument
+// list (q, k, v, grad_out, out, lse, delta, their outputs, the mask, the arguments): dq writes
+// delta, which dk / dv then reads (dk / dv does not read out).
 #define ATTENTION_TC(T, RUST, D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
         attention_fwd_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse, const uint8_t* states,   \
@@ -718,13 +862,14 @@ __device__ __forceinline__ void dkdv_rows(const T* __restrict__ q, const T* __re
         forward_tc<T, D>(q, k, v, out, lse, states, dense, ids, a);                                                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-        attention_dq_d##D##_##RUST(const T* q, const T* k, const T* v, const T* grad_out, const float* lse,          \
-                                   const float* delta, T* dq, const uint8_t* states, const uint8_t* dense,           \
+        attention_dq_d##D##_##RUST(const T* q, const T* k, const T* v, const T* grad_out, const T* out,              \
+                                   const float* lse, float* delta, T* dq, const uint8_t* states, const uint8_t* dense, \
                                    const int64_t* ids, AttentionArgs a) {                                             \
-        dq_tc<T, D>(q, k, v, grad_out, lse, delta, dq, states, dense, ids, a);                                        \
+        dq_tc<T, D>(q, k, v, grad_out, out, lse, delta, dq, states, dense, ids, a);                                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_d##D##_##RUST(                               \
-        const T* q, const T* k, const T* v, const T* grad_out, const float* lse, const float* delta, T* dk, T* dv,    \
+        const T* q, const T* k, const T* v, const T* grad_out, const T*, const float* lse, const float* delta, T* dk,  \
+        T* dv,                                                                                                        \
         const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                           \
         if constexpr (D > 128) {                                                                                      \
             if (blockIdx.y == 0)                                                                                      \
@@ -746,14 +891,14 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
     forward_rows<float>(q, k, v, out, lse, states, dense, ids, a);
 }
 extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dq_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* lse,
-                          const float* delta, float* dq, const uint8_t* states, const uint8_t* dense,
+    attention_dq_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* out,
+                          const float* lse, float* delta, float* dq, const uint8_t* states, const uint8_t* dense,
                           const int64_t* ids, AttentionArgs a) {
-    dq_rows<float>(q, k, v, grad_out, lse, delta, dq, states, dense, ids, a);
+    dq_rows<float>(q, k, v, grad_out, out, lse, delta, dq, states, dense, ids, a);
 }
 extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dkdv_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* lse,
-                            const float* delta, float* dk, float* dv, const uint8_t* states, const uint8_t* dense,
+    attention_dkdv_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float*,
+                            const float* lse, const float* delta, float* dk, float* dv, const uint8_t* states, const uint8_t* dense,
                             const int64_t* ids, AttentionArgs a) {
     dkdv_rows<float>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);
 }
