@@ -91,6 +91,20 @@ inline float __shfl_xor_sync(unsigned, float v, int x) {
     return r;
 }
 
+inline unsigned __ballot_sync(unsigned, bool pred) {
+    auto& w = emu::warp();
+    const int l = emu::lane();
+    w.fslots[l] = pred ? 1.f : 0.f;
+    w.bar.arrive_and_wait();
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i)
+        if (w.fslots[i] != 0.f) r |= 1u << i;
+    w.bar.arrive_and_wait();
+    return r;
+}
+
+inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
+
 inline uint64_t __cvta_generic_to_shared(const void* p) {
     return static_cast<uint64_t>(static_cast<const unsigned char*>(p) - emu::smem);
 }

@@ -296,6 +296,20 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
     cp_async_wait<0>();
 }
 
+// The first item in (item, end) for which live(item) holds (end when none), the lanes of a warp
+// testing 32 items at a time. Every lane of the warp must call it, with the same arguments; it
+// replaces a serial walk whose every step waits on a load of the mask's tile states.
+template <class Live>
+__device__ __forceinline__ int64_t next_live(int64_t item, int64_t end, Live&& live) {
+    const int lane = threadIdx.x & 31;
+    for (int64_t base = item + 1; base < end; base += 32) {
+        const int64_t candidate = base + lane;
+        const unsigned found = __ballot_sync(0xffffffffu, candidate < end && live(candidate));
+        if (found) return base + __ffs(found) - 1;
+    }
+    return end;
+}
+
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
 // to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
@@ -327,12 +341,15 @@ template <typename T, int D> struct QueryTile {
     }
 
     // The first key tile after kt that the mask leaves to any query tile of the block (col_tiles
-    // when none); next(-1) is the first of all.
+    // when none); next(-1) is the first of all. Called by every thread.
     __device__ __forceinline__ int64_t next(int64_t kt) const {
-        for (++kt; kt < a.col_tiles; ++kt)
+        return next_live(kt, a.col_tiles, [&](int64_t c) {
+            bool live = false;
+#pragma unroll
             for (int f = 0; f < MF; ++f)
-                if (qt0 + f < a.row_tiles && mask.tile_state(h, qt0 + f, kt) != TILE_EMPTY) return kt;
-        return kt;
+                live |= qt0 + f < a.row_tiles && mask.tile_state(h, qt0 + f, c) != TILE_EMPTY;
+            return live;
+        });
     }
 
     // The state of key tile kt for this warp's rows (empty past the last query tile).
@@ -613,13 +630,10 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
 
     // Items: (query head - h0) * row_tiles + query tile.
     const int64_t end = group * a.row_tiles;
-    auto empty = [&](int64_t item) {
-        return mask.tile_state(h0 + item / a.row_tiles, item % a.row_tiles, kt) == TILE_EMPTY;
-    };
     auto next = [&](int64_t item) {
-        do ++item;
-        while (item < end && empty(item));
-        return item;
+        return next_live(item, end, [&](int64_t i) {
+            return mask.tile_state(h0 + i / a.row_tiles, i % a.row_tiles, kt) != TILE_EMPTY;
+        });
     };
     auto load = [&](int64_t item, int stage) {
         const int64_t h = h0 + item / a.row_tiles, i0 = (item % a.row_tiles) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
