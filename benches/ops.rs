@@ -143,6 +143,8 @@ impl Bench {
     ) {
         let (rate, rate_unit) = match work {
             Work::Bytes(b) => (b / median_us * 1e-3, "GB/s"),
+            // CPU rates are below a TFLOP/s: GFLOP/s keeps their digits.
+            Work::Flops(f) if f / median_us < 1e6 => (f / median_us * 1e-3, "GFLOP/s"),
             Work::Flops(f) => (f / median_us * 1e-6, "TFLOP/s"),
         };
         let row = Row {

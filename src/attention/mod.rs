@@ -104,7 +104,7 @@ pub fn masked_attention_with_lse(
     mask: &AttentionMask,
     options: &AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
-    let (out, saved, _) = attention(q, k, v, mask, options)?;
+    let (out, saved) = attention(q, k, v, mask, options)?;
     let lse = saved
         .lock()
         .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
@@ -139,7 +139,7 @@ fn attention(
     v: &Tensor,
     mask: &AttentionMask,
     options: &AttentionOptions,
-) -> Result<(Tensor, SavedLse, Problem)> {
+) -> Result<(Tensor, SavedLse)> {
     let p = problem(q, k, v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if q.device().is_cuda() {
@@ -151,7 +151,7 @@ fn attention(
         mask: mask.clone(),
         saved: saved.clone(),
     };
-    Ok((q.apply_op3(k, v, op)?, saved, p))
+    Ok((q.apply_op3(k, v, op)?, saved))
 }
 
 /// The CUDA kernels need head dims that are a multiple of 8 and operands with unit column strides
@@ -165,7 +165,7 @@ fn cuda_attention(
     v: &Tensor,
     mask: &AttentionMask,
     p: Problem,
-) -> Result<(Tensor, SavedLse, Problem)> {
+) -> Result<(Tensor, SavedLse)> {
     let (d, dv) = (p.d.next_multiple_of(8), p.dv.next_multiple_of(8));
     let operand = |t: &Tensor, dim: usize| -> Result<Tensor> {
         let t = if t.dim(3)? == dim {
@@ -195,7 +195,7 @@ fn cuda_attention(
     } else {
         out.narrow(3, 0, p.dv)?
     };
-    Ok((out, saved, p))
+    Ok((out, saved))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -205,7 +205,7 @@ fn cuda_attention(
     _: &Tensor,
     _: &AttentionMask,
     _: Problem,
-) -> Result<(Tensor, SavedLse, Problem)> {
+) -> Result<(Tensor, SavedLse)> {
     bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
 }
 
