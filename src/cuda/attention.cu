@@ -310,6 +310,11 @@ __device__ __forceinline__ int64_t next_live(int64_t item, int64_t end, Live&& l
     return end;
 }
 
+// Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
+// 16 MF x KEY_CHUNK.
+constexpr int KEY_CHUNK = 32;
+constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
+
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
 // to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
@@ -357,21 +362,27 @@ template <typename T, int D> struct QueryTile {
         return warp_qt < a.row_tiles ? mask.tile_state(h, warp_qt, kt) : TILE_EMPTY;
     }
 
-    // Which of a warp's scores in a chunk of KEY_CHUNK keys from j0 the mask keeps, as a bit per
-    // score (f * 16 + nt * 4 + r: row fragment f, 8-key tile nt, accumulator element r).
-    template <int CHUNK_TILES>
-    __device__ __forceinline__ uint32_t keep_bits(int64_t row0, int64_t j0, int g, int t) const {
-        static_assert(MF * CHUNK_TILES * 4 <= 32, "a bit per score of the chunk");
-        uint32_t bits = 0;
+    // A warp's scores for key chunk c of key tile kt (rows from row0, its tile q_rows from shared
+    // row r0 of sq; sk the stage holding tile kt): s = value(q . kᵀ, f, r) entrywise for row
+    // fragment f and accumulator element r, and `hidden` where the mask of a partial tile hides
+    // the key.
+    template <class Value>
+    __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK_TILES][4], const T* sq, int r0, const T* sk,
+                                                 int64_t kt, int c, bool partial, int64_t row0, int lane,
+                                                 Value&& value, float hidden) const {
+        product_abt<T, D, D + AC::ROW_PAD, MF, CHUNK_TILES>(s, sq, r0, sk, c * KEY_CHUNK, a.d, lane);
+        const int g = lane >> 2, t = lane & 3;
+        const int64_t j0 = kt * BK + c * KEY_CHUNK;
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
             for (int nt = 0; nt < CHUNK_TILES; ++nt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
-                        bits |= 1u << (f * 16 + nt * 4 + r);
-        return bits;
+                for (int r = 0; r < 4; ++r) {
+                    s[f][nt][r] = value(s[f][nt][r], f, r);
+                    if (partial && !mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
+                        s[f][nt][r] = hidden;
+                }
     }
 
     __device__ __forceinline__ void load_kv(int64_t kt, T* sk, T* sv) const {
@@ -380,11 +391,6 @@ template <typename T, int D> struct QueryTile {
         load_tile<T, D>(sv, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
     }
 };
-
-// Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
-// 16 MF x KEY_CHUNK.
-constexpr int KEY_CHUNK = 32;
-constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
 
 template <typename T, int D>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -426,23 +432,8 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 #pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
         for (int c = 0; c < BK / KEY_CHUNK; ++c) {
             float s[MF][CHUNK_TILES][4];
-            product_abt<T, D, LD, MF, CHUNK_TILES>(s, sq, warp * 16 * MF, sk + stage * E, c * KEY_CHUNK, a.d, lane);
-#pragma unroll
-            for (int f = 0; f < MF; ++f)
-#pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) s[f][nt][r] *= a.scale_log2;
-            if (partial) {
-                const uint32_t keep = tile.template keep_bits<CHUNK_TILES>(row0, kt * BK + c * KEY_CHUNK, g, t);
-#pragma unroll
-                for (int f = 0; f < MF; ++f)
-#pragma unroll
-                    for (int nt = 0; nt < CHUNK_TILES; ++nt)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r)
-                            if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = -INFINITY;
-            }
+            tile.chunk_scores(s, sq, warp * 16 * MF, sk + stage * E, kt, c, partial, row0, lane,
+                              [&](float x, int, int) { return x * a.scale_log2; }, -INFINITY);
             float alpha[MF][2];
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
@@ -552,24 +543,11 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
         const bool partial = state != TILE_FULL;
 #pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
         for (int c = 0; c < BK / KEY_CHUNK; ++c) {
+            // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
             float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
-            product_abt<T, D, LD, MF, CHUNK_TILES>(s, sq, warp * 16 * MF, sk + stage * E, c * KEY_CHUNK, a.d, lane);
-#pragma unroll
-            for (int f = 0; f < MF; ++f)
-#pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) s[f][nt][r] = exp2f(fmaf(s[f][nt][r], a.scale_log2, -row_lse[f][r >> 1]));
-            if (partial) {
-                const uint32_t keep = tile.template keep_bits<CHUNK_TILES>(row0, kt * BK + c * KEY_CHUNK, g, t);
-#pragma unroll
-                for (int f = 0; f < MF; ++f)
-#pragma unroll
-                    for (int nt = 0; nt < CHUNK_TILES; ++nt)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r)
-                            if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = 0.f;
-            }
+            tile.chunk_scores(
+                s, sq, warp * 16 * MF, sk + stage * E, kt, c, partial, row0, lane,
+                [&](float x, int f, int r) { return exp2f(fmaf(x, a.scale_log2, -row_lse[f][r >> 1])); }, 0.f);
             product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, sv + stage * E, c * KEY_CHUNK, a.dv, lane);
             uint32_t ds[MF][CHUNK_STEPS][4];
 #pragma unroll
@@ -590,6 +568,19 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
 #pragma unroll
     for (int f = 0; f < MF; ++f)
         store_rows<T, D>(dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
+}
+
+// acc[nt][r] = value(acc[nt][r], the statistic of its column, nt, r) for a warp's accumulator
+// whose columns are queries; `stats` holds this lane's first column's statistic (column 2t of
+// the chunk; 8-byte aligned), its neighbour next to it and those of tile nt 8 further on.
+template <int NT, class Value>
+__device__ __forceinline__ void per_column(float (&acc)[NT][4], const float* stats, Value&& value) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const float2 pair = *reinterpret_cast<const float2*>(stats + nt * 8);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nt][r] = value(acc[nt][r], (r & 1) ? pair.y : pair.x, nt, r);
+    }
 }
 
 // dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
@@ -657,12 +648,8 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
             float st[1][CHUNK_TILES][4];              // Sᵀ: rows are keys, columns queries
             auto& s = st[0];
             product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, a.d, lane);
-#pragma unroll
-            for (int nt = 0; nt < CHUNK_TILES; ++nt) {
-                const float2 l = *reinterpret_cast<const float2*>(s_lse + stage * BQ + col0 + nt * 8);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) s[nt][r] = exp2f(fmaf(s[nt][r], a.scale_log2, -((r & 1) ? l.y : l.x)));
-            }
+            per_column(s, s_lse + stage * BQ + col0,
+                       [&](float x, float lse2, int, int) { return exp2f(fmaf(x, a.scale_log2, -lse2)); });
             if (partial) {
 #pragma unroll
                 for (int nt = 0; nt < CHUNK_TILES; ++nt)
@@ -679,12 +666,8 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
                 float dpt[1][CHUNK_TILES][4];
                 auto& dp = dpt[0];
                 product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, a.dv, lane);
-#pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt) {
-                    const float2 dl = *reinterpret_cast<const float2*>(s_delta + stage * BQ + col0 + nt * 8);
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) s[nt][r] *= dp[nt][r] - ((r & 1) ? dl.y : dl.x);
-                }
+                per_column(s, s_delta + stage * BQ + col0,
+                           [&](float x, float delta_j, int nt, int r) { return x * (dp[nt][r] - delta_j); });
                 uint32_t ds[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
                 product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, a.d, lane);
