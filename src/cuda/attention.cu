@@ -390,6 +390,22 @@ template <typename T, int D> struct QueryTile {
         load_tile<T, D>(sk, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
         load_tile<T, D>(sv, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
     }
+
+    // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
+    // tiles each) and calls chunk(kt, c, partial, k_tile, v_tile) for every chunk c of the tiles
+    // this warp's rows need (partial: whether the mask must be read).
+    template <int S, class Chunk> __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
+        constexpr int E = tile_elements<T, D>();
+        auto step = [&](int64_t kt) { return next(kt); };
+        auto load = [&](int64_t kt, int stage) { load_kv(kt, sk + stage * E, sv + stage * E); };
+        auto work = [&](int64_t kt, int stage) {
+            const uint8_t state = warp_state(kt);
+            if (state == TILE_EMPTY) return;
+#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
+            for (int c = 0; c < BK / KEY_CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
+        };
+        pipeline<S>(next(-1), a.col_tiles, step, load, work);
+    }
 };
 
 template <typename T, int D>
@@ -423,16 +439,9 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             row_sum[f][half] = 0.f;
         }
 
-    auto next = [&](int64_t kt) { return tile.next(kt); };
-    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
-    auto work = [&](int64_t kt, int stage) {
-        const uint8_t state = tile.warp_state(kt);
-        if (state == TILE_EMPTY) return;
-        const bool partial = state != TILE_FULL;
-#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
-        for (int c = 0; c < BK / KEY_CHUNK; ++c) {
+    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             float s[MF][CHUNK_TILES][4];
-            tile.chunk_scores(s, sq, warp * 16 * MF, sk + stage * E, kt, c, partial, row0, lane,
+            tile.chunk_scores(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                               [&](float x, int, int) { return x * a.scale_log2; }, -INFINITY);
             float alpha[MF][2];
 #pragma unroll
@@ -467,10 +476,8 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             uint32_t p[MF][CHUNK_STEPS][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK_STEPS>(p[f], s[f]);
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, sv + stage * E, c * KEY_CHUNK, a.dv, lane);
-        }
-    };
-    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, v_tile, c * KEY_CHUNK, a.dv, lane);
+    });
 
 #pragma unroll
     for (int f = 0; f < MF; ++f) {
@@ -535,20 +542,13 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
 
-    auto next = [&](int64_t kt) { return tile.next(kt); };
-    auto load = [&](int64_t kt, int stage) { tile.load_kv(kt, sk + stage * E, sv + stage * E); };
-    auto work = [&](int64_t kt, int stage) {
-        const uint8_t state = tile.warp_state(kt);
-        if (state == TILE_EMPTY) return;
-        const bool partial = state != TILE_FULL;
-#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
-        for (int c = 0; c < BK / KEY_CHUNK; ++c) {
+    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
             float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
             tile.chunk_scores(
-                s, sq, warp * 16 * MF, sk + stage * E, kt, c, partial, row0, lane,
+                s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                 [&](float x, int f, int r) { return exp2f(fmaf(x, a.scale_log2, -row_lse[f][r >> 1])); }, 0.f);
-            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, sv + stage * E, c * KEY_CHUNK, a.dv, lane);
+            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, v_tile, c * KEY_CHUNK, a.dv, lane);
             uint32_t ds[MF][CHUNK_STEPS][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
@@ -561,10 +561,8 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
                     }
                 to_a_fragments<T, CHUNK_STEPS>(ds[f], s[f]);
             }
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, sk + stage * E, c * KEY_CHUNK, a.d, lane);
-        }
-    };
-    pipeline<S>(tile.next(-1), a.col_tiles, next, load, work);
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, k_tile, c * KEY_CHUNK, a.d, lane);
+    });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
         store_rows<T, D>(dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
