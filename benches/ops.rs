@@ -100,13 +100,8 @@ impl Bench {
     /// Times `ours` and `baseline`, then records and prints one row.
     #[allow(clippy::too_many_arguments)]
     fn compare(
-        &mut self,
-        op: &'static str,
-        case: &str,
-        dtype: DType,
-        work: Work,
-        ours: impl FnMut() -> Result<()>,
-        baseline_name: &str,
+        &mut self, op: &'static str, case: &str, dtype: DType, work: Work,
+        ours: impl FnMut() -> Result<()>, baseline_name: &str,
         baseline: impl FnMut() -> Result<()>,
     ) -> Result<()> {
         let median_us = self.time(ours)?;
@@ -117,13 +112,8 @@ impl Bench {
 
     /// A row without a baseline (where the baseline does not fit in memory).
     fn measure(
-        &mut self,
-        op: &'static str,
-        case: &str,
-        dtype: DType,
-        work: Work,
-        ours: impl FnMut() -> Result<()>,
-        why: &str,
+        &mut self, op: &'static str, case: &str, dtype: DType, work: Work,
+        ours: impl FnMut() -> Result<()>, why: &str,
     ) -> Result<()> {
         let median_us = self.time(ours)?;
         self.push_row(op, case, dtype, work, median_us, why, 0.0);
@@ -132,14 +122,8 @@ impl Bench {
 
     #[allow(clippy::too_many_arguments)]
     fn push_row(
-        &mut self,
-        op: &'static str,
-        case: &str,
-        dtype: DType,
-        work: Work,
-        median_us: f64,
-        baseline: &str,
-        baseline_us: f64,
+        &mut self, op: &'static str, case: &str, dtype: DType, work: Work, median_us: f64,
+        baseline: &str, baseline_us: f64,
     ) {
         let (rate, rate_unit) = match work {
             Work::Bytes(b) => (b / median_us * 1e-3, "GB/s"),
@@ -434,10 +418,7 @@ fn random_features(batch: usize, active: usize, num_inputs: usize, dev: &Device)
 
 /// What a candle user writes today: gather the rows, weight them, sum, add the bias.
 fn sparse_composite(
-    idx: &Tensor,
-    values: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
+    idx: &Tensor, values: &Tensor, weight: &Tensor, bias: &Tensor,
 ) -> Result<Tensor> {
     let (batch, active) = idx.dims2()?;
     let rows = weight.index_select(&idx.flatten_all()?, 0)?;
@@ -449,10 +430,7 @@ fn sparse_composite(
 
 /// The composite's gradients: scatter-add the weighted output gradients, sum for the bias.
 fn sparse_composite_backward(
-    idx: &Tensor,
-    values: &Tensor,
-    grad: &Tensor,
-    num_inputs: usize,
+    idx: &Tensor, values: &Tensor, grad: &Tensor, num_inputs: usize,
 ) -> Result<()> {
     let (batch, active) = idx.dims2()?;
     let out = grad.dim(1)?;
@@ -919,11 +897,7 @@ fn bias_add_out(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<()> {
 /// Scores of 2^31 elements or more go one batch entry at a time (candle's element-wise CUDA
 /// kernels count elements in 32 bits), as a user would have to.
 fn attention_composite(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    bias: &Tensor,
-    scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64,
 ) -> Result<Tensor> {
     let (batch, heads, m, _) = q.dims4()?;
     let n = k.dim(2)?;

@@ -13,11 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 
 fn attention_fastops(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    plan: &candle_fastops::MaskPlan,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, plan: &candle_fastops::MaskPlan,
 ) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(2)? as f64).sqrt();
     let scores = candle_fastops::masked_bmm_with_plan(

@@ -102,10 +102,7 @@ fn corpus() -> Result<Vec<Vec<u8>>> {
 /// A batch of `batch` windows of `seq` tokens from the documents laid end to end (starting at
 /// random offsets), the next-token targets, and each token's document id.
 fn batch(
-    docs: &[Vec<u8>],
-    c: &Config,
-    rng: &mut u64,
-    dev: &Device,
+    docs: &[Vec<u8>], c: &Config, rng: &mut u64, dev: &Device,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let stream: Vec<(u8, u32)> = docs
         .iter()

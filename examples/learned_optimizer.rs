@@ -28,9 +28,7 @@ fn model(vb: VarBuilder) -> Result<impl Module> {
 
 /// Trains a fresh model with the optimizer `make` builds; returns the loss every LOG_EVERY steps.
 fn train<O: Optimizer>(
-    dev: &Device,
-    data: &(Tensor, Tensor),
-    make: impl FnOnce(Vec<candle_core::Var>) -> Result<O>,
+    dev: &Device, data: &(Tensor, Tensor), make: impl FnOnce(Vec<candle_core::Var>) -> Result<O>,
 ) -> Result<Vec<f32>> {
     let varmap = VarMap::new();
     let net = model(VarBuilder::from_varmap(&varmap, DType::F32, dev))?;

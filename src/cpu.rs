@@ -18,8 +18,7 @@ fn output_vec<T>(len: usize) -> Vec<T> {
 /// The data of a contiguous CPU tensor held under a read lock (`Tensor::storage_and_layout`):
 /// how ops reach tensors they keep beside their candle arguments. `op` names the op in errors.
 pub(crate) fn locked_slice<'a, T: candle_core::WithDType>(
-    lock: &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
-    op: &str,
+    lock: &'a (candle_core::StorageRef<'_>, &candle_core::Layout), op: &str,
 ) -> candle_core::Result<&'a [T]> {
     let (storage, layout) = lock;
     let candle_core::Storage::Cpu(storage) = &**storage else {
@@ -37,8 +36,7 @@ pub(crate) fn locked_slice<'a, T: candle_core::WithDType>(
 /// # Safety
 /// `fill` must initialise every element of the slice it is given.
 pub(crate) unsafe fn written_output<T>(
-    len: usize,
-    fill: impl FnOnce(&mut [MaybeUninit<T>]),
+    len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>]),
 ) -> Vec<T> {
     let mut out = output_vec(len);
     fill(&mut out.spare_capacity_mut()[..len]);
@@ -75,42 +73,24 @@ pub(crate) trait CpuFloat: candle_core::WithDType {
     fn from_acc(acc: Self::Acc) -> Self;
 }
 
-impl CpuFloat for f32 {
-    type Acc = f32;
-    fn to_acc(self) -> f32 {
-        self
-    }
-    fn from_acc(acc: f32) -> Self {
-        acc
-    }
+/// `cpu_float!(T => Acc, widen, narrow)`: T's [`CpuFloat`] impl with its two conversions.
+macro_rules! cpu_float {
+    ($($t:ty => $acc:ty, $to:expr, $from:expr;)*) => {$(
+        impl CpuFloat for $t {
+            type Acc = $acc;
+            fn to_acc(self) -> $acc {
+                $to(self)
+            }
+            fn from_acc(acc: $acc) -> Self {
+                $from(acc)
+            }
+        }
+    )*};
 }
 
-impl CpuFloat for f64 {
-    type Acc = f64;
-    fn to_acc(self) -> f64 {
-        self
-    }
-    fn from_acc(acc: f64) -> Self {
-        acc
-    }
-}
-
-impl CpuFloat for half::f16 {
-    type Acc = f32;
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(acc: f32) -> Self {
-        half::f16::from_f32(acc)
-    }
-}
-
-impl CpuFloat for half::bf16 {
-    type Acc = f32;
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(acc: f32) -> Self {
-        half::bf16::from_f32(acc)
-    }
+cpu_float! {
+    f32 => f32, std::convert::identity, std::convert::identity;
+    f64 => f64, std::convert::identity, std::convert::identity;
+    half::f16 => f32, half::f16::to_f32, half::f16::from_f32;
+    half::bf16 => f32, half::bf16::to_f32, half::bf16::from_f32;
 }

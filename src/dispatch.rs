@@ -82,9 +82,7 @@ pub(crate) use with_float_cuda_pair;
 /// (f64 on the CPU only), each of `same_dtype` has `main`'s dtype, and each of `same_dtype` and
 /// `same_device` sits on `main`'s device. Operands are `(name, tensor)`, named in the errors.
 pub(crate) fn check_float_operands(
-    op: &str,
-    main: (&str, &candle_core::Tensor),
-    same_dtype: &[(&str, &candle_core::Tensor)],
+    op: &str, main: (&str, &candle_core::Tensor), same_dtype: &[(&str, &candle_core::Tensor)],
     same_device: &[(&str, &candle_core::Tensor)],
 ) -> candle_core::Result<()> {
     use candle_core::{bail, DType};

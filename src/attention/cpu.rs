@@ -77,11 +77,8 @@ pub(super) const COLS: usize = 64;
 /// element `(r, c)` at `lhs.0[r * lhs.1 + c * lhs.2]` and `rhs` is `k x n` likewise.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into<A: CpuGemm>(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [A],
-    lhs: (&[A], usize, usize),
-    rhs: (&[A], usize, usize),
-    accumulate: bool,
+    (m, n, k): (usize, usize, usize), dst: &mut [A], lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize), accumulate: bool,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -249,14 +246,8 @@ impl CpuMask<'_> {
 /// query does not see the key (partial tiles only).
 #[allow(clippy::too_many_arguments)]
 fn tile_scores<A: AttentionFloat>(
-    s: &mut [A],
-    q: &[A],
-    k: &[A],
-    (r, c, d): (usize, usize, usize),
-    scale: A,
-    mask: &HeadMask<'_>,
-    partial: bool,
-    (i0, j0): (usize, usize),
+    s: &mut [A], q: &[A], k: &[A], (r, c, d): (usize, usize, usize), scale: A, mask: &HeadMask<'_>,
+    partial: bool, (i0, j0): (usize, usize),
 ) {
     gemm_into((r, c, d), s, (q, d, 1), (k, 1, d), false);
     for (ri, row) in s[..r * c].chunks_mut(c).enumerate() {
@@ -297,10 +288,7 @@ impl<'a, A: AttentionFloat> QueryTile<'a, A> {
     /// For each key tile the mask does not hide, in order: the masked scores of the tile into
     /// `s` (`r x c`), then `f(s, c, keys, values)` with the tile's rows of `k` and `v`.
     fn for_each_key_tile(
-        &self,
-        (k, v): (&[A], &[A]),
-        s: &mut [A],
-        mut f: impl FnMut(&mut [A], usize, &[A], &[A]),
+        &self, (k, v): (&[A], &[A]), s: &mut [A], mut f: impl FnMut(&mut [A], usize, &[A], &[A]),
     ) {
         let Problem { m, n, d, dv, .. } = *self.p;
         let r = self.q.len() / d;
@@ -333,11 +321,7 @@ impl<'a, A: AttentionFloat> QueryTile<'a, A> {
 /// log; `-inf` for a query that sees no key, whose output row is zero). `q` `[b, h, m, d]`, `k`
 /// `[b, hk, n, d]`, `v` `[b, hk, n, dv]`, contiguous.
 pub(super) fn forward<A: AttentionFloat>(
-    p: &Problem,
-    mask: &CpuMask<'_>,
-    (q, k, v): (&[A], &[A], &[A]),
-    out: &mut [A],
-    lse: &mut [f64],
+    p: &Problem, mask: &CpuMask<'_>, (q, k, v): (&[A], &[A], &[A]), out: &mut [A], lse: &mut [f64],
 ) {
     let (m, n, d, dv) = (p.m, p.n, p.d, p.dv);
     if m == 0 {
@@ -432,9 +416,7 @@ pub(super) struct Saved<'a, A> {
 
 /// `dq` `[b, h, m, d]`, `dk` `[b, hk, n, d]` and `dv` `[b, hk, n, dv]` (written completely).
 pub(super) fn backward<A: AttentionFloat>(
-    p: &Problem,
-    mask: &CpuMask<'_>,
-    x: &Saved<'_, A>,
+    p: &Problem, mask: &CpuMask<'_>, x: &Saved<'_, A>,
     (dq, dk, dv_out): (&mut [A], &mut [A], &mut [A]),
 ) {
     let (m, n, d, dv) = (p.m, p.n, p.d, p.dv);

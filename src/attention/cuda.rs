@@ -88,9 +88,7 @@ pub(super) struct DeviceMask {
 
 impl DeviceMask {
     pub(super) fn new(
-        mask: &AttentionMask,
-        p: &Problem,
-        device: &candle_core::Device,
+        mask: &AttentionMask, p: &Problem, device: &candle_core::Device,
     ) -> Result<Self> {
         let mut dm = DeviceMask {
             args: MaskArgs::default(),
@@ -351,10 +349,7 @@ fn check_grid(p: &Problem) -> Result<()> {
 
 /// The forward: the output `[b, h, m, dv]` and the log-sum-exp (f32 `[b, h, m]`).
 pub(super) fn forward(
-    p: &Problem,
-    mask: &DeviceMask,
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
+    p: &Problem, mask: &DeviceMask, q: (&CudaStorage, &Layout), k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Tensor)> {
     let dev = &q.0.device;
@@ -373,12 +368,8 @@ pub(super) fn forward(
 }
 
 fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
-    p: &Problem,
-    mask: &DeviceMask,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
-    lse: &CudaSlice<f32>,
+    p: &Problem, mask: &DeviceMask, (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout), (v, vl): (&CudaStorage, &Layout), lse: &CudaSlice<f32>,
 ) -> Result<CudaStorage> {
     let dev = &q.device;
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
@@ -423,17 +414,14 @@ pub(super) struct BackwardInputs<'a> {
 
 /// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
 pub(super) fn backward(
-    p: &Problem,
-    mask: &DeviceMask,
-    x: &BackwardInputs<'_>,
+    p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     check_grid(p)?;
     with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x))
 }
 
 fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
-    p: &Problem,
-    mask: &DeviceMask,
+    p: &Problem, mask: &DeviceMask,
     &BackwardInputs {
         q,
         k,

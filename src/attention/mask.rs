@@ -160,12 +160,7 @@ impl AttentionMask {
     /// Checks the mask against a problem of `batch` entries, `heads` query heads, `m` queries and
     /// `n` keys on `device`.
     pub(super) fn check(
-        &self,
-        batch: usize,
-        heads: usize,
-        m: usize,
-        n: usize,
-        device: &Device,
+        &self, batch: usize, heads: usize, m: usize, n: usize, device: &Device,
     ) -> Result<()> {
         match &self.kind {
             Kind::Full | Kind::Causal | Kind::Window(_) => Ok(()),
@@ -202,12 +197,7 @@ impl AttentionMask {
     /// The per-tile data for tiles of `rows x cols` over an `m x n` problem on `device`
     /// (document and dense masks; `None` for generated ones), computed once and cached.
     pub(super) fn tile_data(
-        &self,
-        rows: usize,
-        cols: usize,
-        m: usize,
-        n: usize,
-        device: &Device,
+        &self, rows: usize, cols: usize, m: usize, n: usize, device: &Device,
     ) -> Result<Option<Arc<TileData>>> {
         if self.is_generated() {
             return Ok(None);
@@ -287,10 +277,7 @@ impl AttentionMask {
 /// The state of the tile of query rows `rows` and keys `cols` under a generated mask, with
 /// `offset = n - m` (query `i` at position `i + offset`).
 pub(super) fn generated_tile_state(
-    kind: &Kind,
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
-    offset: i64,
+    kind: &Kind, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, offset: i64,
 ) -> u8 {
     let (i0, i1) = (rows.start as i64 + offset, rows.end as i64 - 1 + offset);
     let (j0, j1) = (cols.start as i64, cols.end as i64 - 1);
@@ -324,10 +311,8 @@ pub(super) fn generated_tile_state(
 /// its keys: empty when the ranges do not meet (or, causal, every key follows every query), full
 /// when both hold one and the same id (and, causal, every key precedes every query).
 pub(super) fn document_tile_state(
-    ((qmin, qmax), (kmin, kmax)): ((i64, i64), (i64, i64)),
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
-    causal: bool,
+    ((qmin, qmax), (kmin, kmax)): ((i64, i64), (i64, i64)), rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>, causal: bool,
 ) -> u8 {
     let order = if causal {
         generated_tile_state(&Kind::Causal, rows, cols, 0)

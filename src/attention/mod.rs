@@ -69,11 +69,7 @@ pub struct AttentionOptions {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn masked_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, scale: f64,
 ) -> Result<Tensor> {
     let options = AttentionOptions {
         scale: Some(scale),
@@ -84,11 +80,7 @@ pub fn masked_attention(
 
 /// [`masked_attention`] with per-call options.
 pub fn masked_attention_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    options: &AttentionOptions,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<Tensor> {
     Ok(attention(q, k, v, mask, options)?.0)
 }
@@ -98,11 +90,7 @@ pub fn masked_attention_with(
 /// union of key sets split in parts is `sum_p exp(lse_p - lse) out_p` with
 /// `lse = log(sum_p exp(lse_p))`. The log-sum-exp carries no gradient.
 pub fn masked_attention_with_lse(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    options: &AttentionOptions,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
     let (out, saved) = attention(q, k, v, mask, options)?;
     let lse = saved
@@ -134,11 +122,7 @@ pub(crate) struct Problem {
 type SavedLse = Arc<Mutex<Option<Tensor>>>;
 
 fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    options: &AttentionOptions,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<(Tensor, SavedLse)> {
     let p = problem(q, k, v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
@@ -160,11 +144,7 @@ fn attention(
 /// candle ops, so gradients flow back through them.
 #[cfg(feature = "cuda")]
 fn cuda_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    p: Problem,
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, p: Problem,
 ) -> Result<(Tensor, SavedLse)> {
     let (d, dv) = (p.d.next_multiple_of(8), p.dv.next_multiple_of(8));
     let operand = |t: &Tensor, dim: usize| -> Result<Tensor> {
@@ -200,11 +180,7 @@ fn cuda_attention(
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_attention(
-    _: &Tensor,
-    _: &Tensor,
-    _: &Tensor,
-    _: &AttentionMask,
-    _: Problem,
+    _: &Tensor, _: &Tensor, _: &Tensor, _: &AttentionMask, _: Problem,
 ) -> Result<(Tensor, SavedLse)> {
     bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
 }
@@ -363,10 +339,7 @@ impl Attention {
     }
 
     fn cpu_forward<T: CpuFloat>(
-        &self,
-        q: (&[T], &Layout),
-        k: (&CpuStorage, &Layout),
-        v: (&CpuStorage, &Layout),
+        &self, q: (&[T], &Layout), k: (&CpuStorage, &Layout), v: (&CpuStorage, &Layout),
     ) -> Result<CpuStorage>
     where
         T::Acc: cpu::AttentionFloat,
@@ -386,10 +359,7 @@ impl Attention {
 
     /// The CPU backward in the accumulator type `A` (f32, or f64 for f64 inputs).
     fn cpu_backward<A: cpu::AttentionFloat + WithDType>(
-        &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        out: &Tensor,
-        grad_out: &Tensor,
+        &self, (q, k, v): (&Tensor, &Tensor, &Tensor), out: &Tensor, grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let p = &self.p;
         let flat =
@@ -422,10 +392,7 @@ impl Attention {
     /// dk / dv kernel.
     #[cfg(feature = "cuda")]
     fn cuda_backward(
-        &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        out: &Tensor,
-        grad_out: &Tensor,
+        &self, (q, k, v): (&Tensor, &Tensor, &Tensor), out: &Tensor, grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         // Contiguous, with 16-byte aligned rows (a copy otherwise).
         let aligned = |t: &Tensor| -> Result<Tensor> {
@@ -452,10 +419,7 @@ impl Attention {
 
     #[cfg(not(feature = "cuda"))]
     fn cuda_backward(
-        &self,
-        _: (&Tensor, &Tensor, &Tensor),
-        _: &Tensor,
-        _: &Tensor,
+        &self, _: (&Tensor, &Tensor, &Tensor), _: &Tensor, _: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
     }
@@ -467,13 +431,8 @@ impl CustomOp3 for Attention {
     }
 
     fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        q_layout: &Layout,
-        k: &CpuStorage,
-        k_layout: &Layout,
-        v: &CpuStorage,
-        v_layout: &Layout,
+        &self, q: &CpuStorage, q_layout: &Layout, k: &CpuStorage, k_layout: &Layout,
+        v: &CpuStorage, v_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let p = &self.p;
         let (k, v) = ((k, k_layout), (v, v_layout));
@@ -492,13 +451,8 @@ impl CustomOp3 for Attention {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        q_layout: &Layout,
-        k: &candle_core::CudaStorage,
-        k_layout: &Layout,
-        v: &candle_core::CudaStorage,
-        v_layout: &Layout,
+        &self, q: &candle_core::CudaStorage, q_layout: &Layout, k: &candle_core::CudaStorage,
+        k_layout: &Layout, v: &candle_core::CudaStorage, v_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let p = &self.p;
         for (name, layout) in [("q", q_layout), ("k", k_layout), ("v", v_layout)] {
@@ -515,12 +469,7 @@ impl CustomOp3 for Attention {
     }
 
     fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad_out: &Tensor,
+        &self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         if q.device().is_cuda() {
             let (dq, dk, dv) = self.cuda_backward((q, k, v), out, grad_out)?;

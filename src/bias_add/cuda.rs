@@ -27,10 +27,7 @@ pub(super) enum SrcDst<'v, 's, T> {
 
 /// Launches `bias_add_<dtype>` over the `map.len` elements of `src_dst`.
 pub(super) fn launch_bias_add<T: WithDType>(
-    dev: &CudaDevice,
-    hint: CacheHint,
-    map: &ChannelMap,
-    bias: &CudaView<'_, T>,
+    dev: &CudaDevice, hint: CacheHint, map: &ChannelMap, bias: &CudaView<'_, T>,
     src_dst: SrcDst<'_, '_, T>,
 ) -> Result<()> {
     if map.len == 0 {

@@ -60,10 +60,7 @@ fn dim_index(xs: &Tensor, dim: impl Dim) -> Result<usize> {
 /// them. The hint is ignored on the CPU and for dtypes other than f32.
 #[doc(hidden)]
 pub fn bias_add_with_hint(
-    xs: &Tensor,
-    bias: &Tensor,
-    dim: usize,
-    hint: CacheHint,
+    xs: &Tensor, bias: &Tensor, dim: usize, hint: CacheHint,
 ) -> Result<Tensor> {
     check_args(xs, bias, dim)?;
     let xs = xs.contiguous()?;
@@ -210,10 +207,7 @@ enum BiasRun<'a, T> {
 /// Splits the elements `first..first + len` of a buffer mapped by `map` into runs with one bias
 /// pattern each, calling `f` with each run's range relative to `first`.
 fn for_each_run<'a, T: Copy>(
-    first: usize,
-    len: usize,
-    map: &ChannelMap,
-    bias: &'a [T],
+    first: usize, len: usize, map: &ChannelMap, bias: &'a [T],
     mut f: impl FnMut(Range<usize>, BiasRun<'a, T>),
 ) {
     let (inner, channels) = (map.inner, map.channels);
@@ -302,11 +296,7 @@ impl CustomOp2 for BiasAdd {
     }
 
     fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xs_layout: &Layout,
-        bias: &CpuStorage,
-        bias_layout: &Layout,
+        &self, xs: &CpuStorage, xs_layout: &Layout, bias: &CpuStorage, bias_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let map = ChannelMap::contiguous(xs_layout, self.dim)?;
         let bias_range = bias_range(bias_layout)?;
@@ -320,10 +310,7 @@ impl CustomOp2 for BiasAdd {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        xs: &candle_core::CudaStorage,
-        xs_layout: &Layout,
-        bias: &candle_core::CudaStorage,
+        &self, xs: &candle_core::CudaStorage, xs_layout: &Layout, bias: &candle_core::CudaStorage,
         bias_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let map = ChannelMap::contiguous(xs_layout, self.dim)?;
@@ -346,11 +333,7 @@ impl CustomOp2 for BiasAdd {
     }
 
     fn bwd(
-        &self,
-        xs: &Tensor,
-        _bias: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
+        &self, xs: &Tensor, _bias: &Tensor, _res: &Tensor, grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let other_dims: Vec<usize> = (0..xs.rank()).filter(|&d| d != self.dim).collect();
         let grad_bias = if other_dims.is_empty() {
@@ -372,11 +355,7 @@ impl InplaceOp2 for BiasAddInPlace {
     }
 
     fn cpu_fwd(
-        &self,
-        xs: &mut CpuStorage,
-        xs_layout: &Layout,
-        bias: &CpuStorage,
-        bias_layout: &Layout,
+        &self, xs: &mut CpuStorage, xs_layout: &Layout, bias: &CpuStorage, bias_layout: &Layout,
     ) -> Result<()> {
         let Some(map) = ChannelMap::dense(xs_layout, self.dim) else {
             bail!("{OP}: in-place form needs a dense xs");
@@ -391,11 +370,8 @@ impl InplaceOp2 for BiasAddInPlace {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        xs: &mut candle_core::CudaStorage,
-        xs_layout: &Layout,
-        bias: &candle_core::CudaStorage,
-        bias_layout: &Layout,
+        &self, xs: &mut candle_core::CudaStorage, xs_layout: &Layout,
+        bias: &candle_core::CudaStorage, bias_layout: &Layout,
     ) -> Result<()> {
         let Some(map) = ChannelMap::dense(xs_layout, self.dim) else {
             bail!("{OP}: in-place form needs a dense xs");

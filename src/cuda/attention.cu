@@ -148,6 +148,17 @@ __device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const T* tile, in
     ldmatrix_x4<true>(b, shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
 }
 
+// Sets every accumulator of MF x NT fragments to zero.
+template <int MF, int NT>
+__device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
+}
+
 // acc (16 MF x 8 NT) = rows r0.. (MF fragments of 16) of `a_tile` . rows n0.. (8 NT) of
 // `b_tile`ᵀ, over the first k_len columns (rounded up to 16; the padding is zero). Each B fragment
 // serves all MF row fragments.
@@ -155,12 +166,7 @@ template <typename T, int K, int LD, int MF, int NT>
 __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
                                             int64_t k_len, int lane) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of 8-column tiles");
-#pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
+    zero_fragments(acc);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         if (kk * 16 < k_len) {
@@ -442,12 +448,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
     load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
 
     float o[MF][D / 8][4];
-#pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) o[f][nt][r] = 0.f;
+    zero_fragments(o);
     float row_max[MF][2], row_sum[MF][2];
 #pragma unroll
     for (int f = 0; f < MF; ++f)
@@ -553,12 +554,7 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
             if (t == 0 && row < a.m) delta[bh * a.m + row] = sum;
         }
     float acc[MF][D / 8][4];
-#pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
+    zero_fragments(acc);
 
     tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
@@ -627,13 +623,8 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
     load_tile<T, D>(sv, v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
 
     float acc_dk[1][(PARTS & 2) ? D / 8 : 1][4], acc_dv[1][(PARTS & 1) ? D / 8 : 1][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            if constexpr ((PARTS & 2) != 0) acc_dk[0][nt][r] = 0.f;
-            if constexpr ((PARTS & 1) != 0) acc_dv[0][nt][r] = 0.f;
-        }
+    zero_fragments(acc_dk);
+    zero_fragments(acc_dv);
 
     // Items: (query head - h0) * row_tiles + query tile.
     const int64_t end = group * a.row_tiles;

@@ -15,9 +15,7 @@ use candle_core::{bail, DType, Result, Storage, Tensor};
 /// whose stack grows with the number of written tensors (a few KiB each; one thread per step
 /// costs tens of microseconds against a step of milliseconds); `f` runs on the calling thread.
 pub(crate) fn with_locked_addresses(
-    op: &str,
-    dev: &candle_core::CudaDevice,
-    tensors: &[(&Tensor, bool)],
+    op: &str, dev: &candle_core::CudaDevice, tensors: &[(&Tensor, bool)],
     f: impl FnOnce(&[u64]) -> Result<()>,
 ) -> Result<()> {
     // Storage identity: the address of the storage behind each tensor's lock.
@@ -103,10 +101,7 @@ pub(crate) fn with_locked_addresses(
 /// Write-locks `tensors[order[0]]`, records its address, and recurses on the rest of `order`;
 /// calls `leaf` with every lock held.
 fn lock_next(
-    op: &str,
-    tensors: &[(&Tensor, bool)],
-    order: &[usize],
-    addrs: &mut [u64],
+    op: &str, tensors: &[(&Tensor, bool)], order: &[usize], addrs: &mut [u64],
     leaf: &mut dyn FnMut(&[u64]) -> Result<()>,
 ) -> Result<()> {
     let Some((&i, rest)) = order.split_first() else {
@@ -124,9 +119,7 @@ fn lock_next(
 
 /// The address of the first element of a CUDA storage's view (f32 or u32 buffers).
 fn first_element_address(
-    op: &str,
-    s: &candle_core::CudaStorage,
-    layout: &candle_core::Layout,
+    op: &str, s: &candle_core::CudaStorage, layout: &candle_core::Layout,
 ) -> Result<u64> {
     let stream = s.device.cuda_stream();
     let base = match candle_core::backend::BackendStorage::dtype(s) {
@@ -161,9 +154,7 @@ impl candle_core::InplaceOp1 for WriteLocked<'_, '_> {
     }
 
     fn cuda_fwd(
-        &self,
-        storage: &mut candle_core::CudaStorage,
-        layout: &candle_core::Layout,
+        &self, storage: &mut candle_core::CudaStorage, layout: &candle_core::Layout,
     ) -> Result<()> {
         let mut state = self.state.borrow_mut();
         let (addrs, leaf) = &mut *state;

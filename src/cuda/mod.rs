@@ -69,6 +69,17 @@ impl Module {
     }
 }
 
+/// `kernel_args!(x, y, ..)`: the `push_args` of [`Kernel::launch`] that pushes the given
+/// references in order (each one must match the kernel's parameter at its position).
+macro_rules! kernel_args {
+    ($($arg:expr),* $(,)?) => {
+        |args| {
+            $(args.arg($arg);)*
+        }
+    };
+}
+pub(crate) use kernel_args;
+
 /// A loaded kernel and the stream it launches on.
 pub(crate) struct Kernel {
     func: driver::CudaFunction,
@@ -103,9 +114,7 @@ impl Kernel {
     /// [`Kernel::load`] of the `T` instance of a kernel built for every float dtype (the name
     /// gets `T`'s dtype as its last part: `bias_add_f32`, `softmax_fused_vec_bf16`).
     pub(crate) fn load_typed<T: candle_core::WithDType>(
-        dev: &CudaDevice,
-        module: Module,
-        parts: &[&str],
+        dev: &CudaDevice, module: Module, parts: &[&str],
     ) -> Result<Self> {
         let mut parts = parts.to_vec();
         parts.push(T::DTYPE.as_str());
@@ -119,9 +128,7 @@ impl Kernel {
     /// The arguments pushed by `push_args` must match the kernel's signature, and the launch
     /// configuration must keep every access of the kernel inside the buffers it is given.
     pub(crate) unsafe fn launch<'a>(
-        &'a self,
-        cfg: LaunchConfig,
-        push_args: impl FnOnce(&mut driver::LaunchArgs<'a>),
+        &'a self, cfg: LaunchConfig, push_args: impl FnOnce(&mut driver::LaunchArgs<'a>),
     ) -> Result<()> {
         let mut builder = self.stream.launch_builder(&self.func);
         push_args(&mut builder);
@@ -144,9 +151,7 @@ impl Kernel {
     /// How many blocks of `threads` threads and `shared_mem_bytes` of dynamic shared memory fit
     /// on one multiprocessor at once (registers, shared memory and thread limits), at least 1.
     pub(crate) fn resident_blocks_per_sm(
-        &self,
-        threads: u32,
-        shared_mem_bytes: usize,
+        &self, threads: u32, shared_mem_bytes: usize,
     ) -> Result<u32> {
         let blocks = self
             .func
@@ -188,9 +193,7 @@ pub(crate) fn alloc_output<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Resul
 
 /// Sets every byte of `buf` to `byte`, asynchronously on the device's stream.
 pub(crate) fn fill_bytes<T: DeviceRepr>(
-    dev: &CudaDevice,
-    buf: &mut CudaSlice<T>,
-    byte: u8,
+    dev: &CudaDevice, buf: &mut CudaSlice<T>, byte: u8,
 ) -> Result<()> {
     let bytes = buf.len() * std::mem::size_of::<T>();
     if bytes == 0 {
@@ -208,10 +211,7 @@ pub(crate) fn fill_bytes<T: DeviceRepr>(
 /// `ptr` must address at least `bytes` bytes of live device memory that nothing reads or writes
 /// concurrently outside the device's stream.
 pub(crate) unsafe fn fill_bytes_at(
-    dev: &CudaDevice,
-    ptr: u64,
-    bytes: usize,
-    byte: u8,
+    dev: &CudaDevice, ptr: u64, bytes: usize, byte: u8,
 ) -> Result<()> {
     let stream = dev.cuda_stream();
     // SAFETY: guaranteed by the caller.
@@ -238,11 +238,7 @@ fn device_attribute(dev: &CudaDevice, attribute: driver::sys::CUdevice_attribute
 /// A 1-D launch of `threads`-wide blocks covering `work` items with a grid-stride loop: at most
 /// `blocks_per_sm` resident blocks per multiprocessor, never more blocks than there is work.
 pub(crate) fn grid_stride_config(
-    dev: &CudaDevice,
-    work: u64,
-    threads: u32,
-    blocks_per_sm: u32,
-    shared_mem_bytes: u32,
+    dev: &CudaDevice, work: u64, threads: u32, blocks_per_sm: u32, shared_mem_bytes: u32,
 ) -> Result<LaunchConfig> {
     let wanted = work.div_ceil(threads as u64).max(1);
     let cap = sm_count(dev)? as u64 * blocks_per_sm as u64;

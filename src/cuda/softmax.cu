@@ -387,23 +387,19 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
 // 4 adjacent groups (launched only when the host has described the layout in such units).
 // `_rows` (prefetching, one resident wave; 3 blocks of 256 per SM) and `_cols` (a block per
 // column) forms of the one-read kernel.
-#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                                             \
-    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 3) softmax_cached_rows##VARIANT##SUFFIX(             \
-        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, false, true>(x, y, layout, columns);                                          \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 3) log_softmax_cached_rows##VARIANT##SUFFIX(         \
-        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, true, true>(x, y, layout, columns);                                           \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 5) softmax_cached_cols##VARIANT##SUFFIX(              \
-        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, false, false>(x, y, layout, columns);                                         \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, 5) log_softmax_cached_cols##VARIANT##SUFFIX(          \
-        const T* x, T* y, ReduceLayout layout, uint32_t columns) {                                         \
-        softmax_cached<T, W, true, false>(x, y, layout, columns);                                          \
+// One `_cached` kernel: NAME is softmax_cached_rows or _cols, LOG picks log_softmax, ROWS the
+// prefetching rows form, BLOCKS the resident blocks per multiprocessor it is built for.
+#define SOFTMAX_CACHED_ONE(T, SUFFIX, VARIANT, W, PREFIX, FORM, LOG, ROWS, BLOCKS)                          \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS, BLOCKS)               \
+        PREFIX##softmax_cached_##FORM##VARIANT##SUFFIX(const T* x, T* y, ReduceLayout layout, uint32_t columns) { \
+        softmax_cached<T, W, LOG, ROWS>(x, y, layout, columns);                                              \
     }
+
+#define SOFTMAX_CACHED(T, SUFFIX, VARIANT, W)                                  \
+    SOFTMAX_CACHED_ONE(T, SUFFIX, VARIANT, W, , rows, false, true, 3)          \
+    SOFTMAX_CACHED_ONE(T, SUFFIX, VARIANT, W, log_, rows, true, true, 3)       \
+    SOFTMAX_CACHED_ONE(T, SUFFIX, VARIANT, W, , cols, false, false, 5)         \
+    SOFTMAX_CACHED_ONE(T, SUFFIX, VARIANT, W, log_, cols, true, false, 5)
 
 #define SOFTMAX_FORM(T, SUFFIX, VARIANT, W, LANES)                                                        \
     extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS) softmax_fused##VARIANT##SUFFIX(                     \

@@ -79,12 +79,7 @@ pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Ve
 /// One group whose innermost reduced block is contiguous: gathered run by run into `buf`
 /// (one read of the input), normalised there, scattered back (one write).
 fn row_group<T: CpuFloat>(
-    xs: &[T],
-    ys: *mut T,
-    plan: &ReducePlan,
-    g: usize,
-    log: bool,
-    buf: &mut Vec<T::Acc>,
+    xs: &[T], ys: *mut T, plan: &ReducePlan, g: usize, log: bool, buf: &mut Vec<T::Acc>,
 ) {
     let run = plan.reduced_blocks().last().map_or(1, |b| b.size);
     let runs = plan.group_size() / run;
@@ -130,12 +125,7 @@ fn row_group<T: CpuFloat>(
 /// `width` adjacent groups starting at `g0` whose elements are strided: for each reduced
 /// index the groups form a contiguous run of `width` values.
 fn column_group<T: CpuFloat>(
-    xs: &[T],
-    ys: *mut T,
-    plan: &ReducePlan,
-    g0: usize,
-    width: usize,
-    log: bool,
+    xs: &[T], ys: *mut T, plan: &ReducePlan, g0: usize, width: usize, log: bool,
 ) {
     let base = plan.group_base(g0);
     let offsets = (0..plan.group_size()).map(|j| base + plan.reduced_offset(j));

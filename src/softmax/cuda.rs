@@ -1,4 +1,4 @@
-use crate::cuda::{alloc_output, sm_count, tuning, FastDiv, Kernel, Module};
+use crate::cuda::{alloc_output, kernel_args, sm_count, tuning, FastDiv, Kernel, Module};
 use crate::dispatch::mirrored_struct;
 use crate::softmax::plan::{Block, ReducePlan, MAX_BLOCKS};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -81,11 +81,7 @@ const MIN_ELEMS_PER_THREAD: usize = 64;
 /// `xs_start` is the element offset of `xs` in its allocation, for the alignment check of
 /// the 16-byte path.
 pub(super) fn launch_softmax<T: WithDType>(
-    dev: &CudaDevice,
-    plan: &ReducePlan,
-    log: bool,
-    xs: &CudaView<'_, T>,
-    xs_start: usize,
+    dev: &CudaDevice, plan: &ReducePlan, log: bool, xs: &CudaView<'_, T>, xs_start: usize,
     ys: &CudaSlice<T>,
 ) -> Result<()> {
     let (groups, lanes) = (plan.num_groups(), plan.lanes());
@@ -167,11 +163,7 @@ pub(super) fn launch_softmax<T: WithDType>(
         let columns = columns as u32;
         // SAFETY: arguments match `softmax_cached`; it touches only groups < num_groups and
         // elements < group_size, inside xs / ys by construction of the plan.
-        return unsafe {
-            kernel.launch(cfg, |args| {
-                args.arg(xs).arg(ys).arg(&layout).arg(&columns);
-            })
-        };
+        return unsafe { kernel.launch(cfg, kernel_args!(xs, ys, &layout, &columns)) };
     }
     let blocks_x = group_units.div_ceil(lx);
     let target_blocks = 4 * sm_count(dev)? as usize;
@@ -197,27 +189,13 @@ pub(super) fn launch_softmax<T: WithDType>(
     // of the plan for this shape.
     if chunks == 1 {
         let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "fused", variant])?;
-        return unsafe {
-            kernel.launch(cfg, |args| {
-                args.arg(xs).arg(ys).arg(&layout).arg(&chunk_len);
-            })
-        };
+        return unsafe { kernel.launch(cfg, kernel_args!(xs, ys, &layout, &chunk_len)) };
     }
     let partials = alloc_output::<f32>(dev, 2 * groups * chunks)?;
     let partial = Kernel::load_typed::<T>(dev, Module::Softmax, &["softmax_partial", variant])?;
     unsafe {
-        partial.launch(cfg, |args| {
-            args.arg(xs).arg(&partials).arg(&layout).arg(&chunk_len);
-        })?;
+        partial.launch(cfg, kernel_args!(xs, &partials, &layout, &chunk_len))?;
     }
     let finish = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "finish", variant])?;
-    unsafe {
-        finish.launch(cfg, |args| {
-            args.arg(xs)
-                .arg(ys)
-                .arg(&partials)
-                .arg(&layout)
-                .arg(&chunk_len);
-        })
-    }
+    unsafe { finish.launch(cfg, kernel_args!(xs, ys, &partials, &layout, &chunk_len)) }
 }

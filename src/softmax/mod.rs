@@ -197,9 +197,7 @@ impl CustomOp1 for SoftmaxDims {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        storage: &candle_core::CudaStorage,
-        layout: &Layout,
+        &self, storage: &candle_core::CudaStorage, layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let start = self.contiguous_start(layout)?;
         let n = layout.shape().elem_count();

@@ -64,10 +64,7 @@ impl Sides<'_> {
 
     /// The active (index, value) pairs of perspective `p` of position `b`.
     fn features(
-        &self,
-        b: usize,
-        p: usize,
-        max_active: usize,
+        &self, b: usize, p: usize, max_active: usize,
     ) -> impl Iterator<Item = (usize, f32)> + '_ {
         let row = b * max_active..(b + 1) * max_active;
         let values = self.values[p].map(|v| &v[row.clone()]);
@@ -80,11 +77,7 @@ impl Sides<'_> {
 }
 
 pub(super) fn forward<T: CpuFloat>(
-    f: &Features,
-    sides: &Sides,
-    weight: &[T],
-    weight_stride: usize,
-    bias: &[T],
+    f: &Features, sides: &Sides, weight: &[T], weight_stride: usize, bias: &[T],
 ) -> Vec<T> {
     let (n_out, row_len) = (f.out, f.perspectives() * f.out);
     let len = f.batch * row_len;

@@ -1,5 +1,5 @@
 use super::{Features, OP};
-use crate::cuda::{grid_stride_config, l2_bytes, sm_count, tuning, Kernel, Module};
+use crate::cuda::{grid_stride_config, kernel_args, l2_bytes, sm_count, tuning, Kernel, Module};
 use crate::dispatch::mirrored_struct;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
@@ -46,10 +46,7 @@ impl StripePlan {
     /// BENCHMARKS.md favour 1 for f32, 2 for 2-byte weights). A launch covers as many stripes
     /// as fit in the L2 with all their rows.
     fn new(
-        dev: &CudaDevice,
-        f: &Features,
-        (vec, group, elem): (bool, usize, usize),
-        loads: u32,
+        dev: &CudaDevice, f: &Features, (vec, group, elem): (bool, usize, usize), loads: u32,
         blocks_per_sm: u32,
     ) -> Result<Self> {
         let loads = tuning("FASTOPS_SPARSE_LOADS").unwrap_or(loads).clamp(1, 2) as usize;
@@ -130,8 +127,7 @@ impl<'a> FeatureViews<'a> {
     }
 
     fn view<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
-        &self,
-        slot: usize,
+        &self, slot: usize,
     ) -> Result<Option<CudaView<'_, T>>> {
         match &self.locks[slot] {
             None => Ok(None),
@@ -186,11 +182,7 @@ impl<'a> FeatureArgs<'a> {
 /// The kernels' shape arguments; `error_flag` is the device address of the call's bad-index
 /// word (0: bad indices are skipped unreported).
 fn shape(
-    f: &Features,
-    error_flag: u64,
-    weight_stride: usize,
-    stripe_begin: u64,
-    stripe_end: u64,
+    f: &Features, error_flag: u64, weight_stride: usize, stripe_begin: u64, stripe_end: u64,
 ) -> Result<SparseShape> {
     Ok(SparseShape {
         error_flag,
@@ -252,14 +244,8 @@ macro_rules! launch_striped {
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<T: WithDType + DeviceRepr>(
-    dev: &CudaDevice,
-    f: &Features,
-    weight: &CudaView<'_, T>,
-    weight_start: usize,
-    weight_stride: usize,
-    bias: &CudaView<'_, T>,
-    bias_start: usize,
-    out: &CudaSlice<T>,
+    dev: &CudaDevice, f: &Features, weight: &CudaView<'_, T>, weight_start: usize,
+    weight_stride: usize, bias: &CudaView<'_, T>, bias_start: usize, out: &CudaSlice<T>,
 ) -> Result<()> {
     let elem = std::mem::size_of::<T>();
     let width = 16 / elem;
@@ -307,10 +293,7 @@ fn bad_index_error(f: &Features) -> candle_core::Error {
 }
 
 pub(super) fn backward<T: WithDType + DeviceRepr>(
-    dev: &CudaDevice,
-    f: &Features,
-    grad_out: &CudaView<'_, T>,
-    grad_start: usize,
+    dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
     grad: &CudaSlice<f32>,
 ) -> Result<()> {
     let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
@@ -445,10 +428,7 @@ fn sort_entries(dev: &CudaDevice, f: &Features, views: &FeatureViews) -> Result<
 
 /// The deterministic form of [`backward`] (see [`crate::set_deterministic`]).
 pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
-    dev: &CudaDevice,
-    f: &Features,
-    grad_out: &CudaView<'_, T>,
-    grad_start: usize,
+    dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
     grad: &CudaSlice<f32>,
 ) -> Result<()> {
     if f.batch * f.sides.len() == 0 || f.out == 0 {
@@ -480,16 +460,19 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
     // values, rows index grad_out's batch x perspectives rows, keys are at most num_inputs
     // (grad has num_inputs + 1 rows) and scratch rows are below scratch_rows.
     unsafe {
-        gather.launch(cfg, |args| {
-            args.arg(&pieces)
-                .arg(&num_pieces)
-                .arg(&rows)
-                .arg(&values)
-                .arg(grad_out)
-                .arg(&out_dim)
-                .arg(grad)
-                .arg(&scratch);
-        })?;
+        gather.launch(
+            cfg,
+            kernel_args!(
+                &pieces,
+                &num_pieces,
+                &rows,
+                &values,
+                grad_out,
+                &out_dim,
+                grad,
+                &scratch
+            ),
+        )?;
     }
     if num_groups > 0 {
         let combine = Kernel::load(dev, Module::SparseLinear, &[BWD, "combine"])?;
@@ -497,13 +480,10 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
         // SAFETY: the arguments match `sparse_linear_bwd_combine(groups, num_groups,
         // scratch, out_dim, grad)`; each group's scratch rows lie in scratch, its key in grad.
         unsafe {
-            combine.launch(cfg, |args| {
-                args.arg(&groups)
-                    .arg(&num_groups)
-                    .arg(&scratch)
-                    .arg(&out_dim)
-                    .arg(grad);
-            })?;
+            combine.launch(
+                cfg,
+                kernel_args!(&groups, &num_groups, &scratch, &out_dim, grad),
+            )?;
         }
     }
     Ok(())

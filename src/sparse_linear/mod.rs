@@ -53,10 +53,7 @@ const OP: &str = "sparse_linear";
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn sparse_linear(
-    indices: &Tensor,
-    values: Option<&Tensor>,
-    weight: &Tensor,
-    bias: &Tensor,
+    indices: &Tensor, values: Option<&Tensor>, weight: &Tensor, bias: &Tensor,
 ) -> Result<Tensor> {
     let features = SparseFeatures { indices, values };
     sparse_linear_with(features, weight, bias, &SparseLinearOptions::default())
@@ -64,10 +61,7 @@ pub fn sparse_linear(
 
 /// [`sparse_linear`] with per-call options (index checking, deterministic backward).
 pub fn sparse_linear_with(
-    features: SparseFeatures<'_>,
-    weight: &Tensor,
-    bias: &Tensor,
-    options: &SparseLinearOptions,
+    features: SparseFeatures<'_>, weight: &Tensor, bias: &Tensor, options: &SparseLinearOptions,
 ) -> Result<Tensor> {
     let batch = Features::new(&[features], None, weight, bias, options)?;
     apply(batch, weight, bias)
@@ -163,11 +157,8 @@ pub struct SparseLinearOptions {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn sparse_linear_pair<'a>(
-    white: impl Into<SparseFeatures<'a>>,
-    black: impl Into<SparseFeatures<'a>>,
-    stm: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
+    white: impl Into<SparseFeatures<'a>>, black: impl Into<SparseFeatures<'a>>, stm: &Tensor,
+    weight: &Tensor, bias: &Tensor,
 ) -> Result<Tensor> {
     let options = SparseLinearOptions::default();
     sparse_linear_pair_with(white, black, stm, weight, bias, &options)
@@ -175,12 +166,8 @@ pub fn sparse_linear_pair<'a>(
 
 /// [`sparse_linear_pair`] with per-call options (index checking, deterministic backward).
 pub fn sparse_linear_pair_with<'a>(
-    white: impl Into<SparseFeatures<'a>>,
-    black: impl Into<SparseFeatures<'a>>,
-    stm: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    options: &SparseLinearOptions,
+    white: impl Into<SparseFeatures<'a>>, black: impl Into<SparseFeatures<'a>>, stm: &Tensor,
+    weight: &Tensor, bias: &Tensor, options: &SparseLinearOptions,
 ) -> Result<Tensor> {
     let sides = [white.into(), black.into()];
     let batch = Features::new(&sides, Some(stm), weight, bias, options)?;
@@ -204,10 +191,7 @@ pub fn check_sparse_indices(indices: &Tensor, num_inputs: usize) -> Result<()> {
 /// checked on CUDA (bad ones contribute nothing).
 #[doc(hidden)]
 pub fn sparse_linear_backward(
-    indices: &Tensor,
-    values: Option<&Tensor>,
-    grad_out: &Tensor,
-    num_inputs: usize,
+    indices: &Tensor, values: Option<&Tensor>, grad_out: &Tensor, num_inputs: usize,
 ) -> Result<(Tensor, Tensor)> {
     let out = grad_out.dim(1)?;
     let shape_only = Tensor::zeros((num_inputs, 1), grad_out.dtype(), grad_out.device())?
@@ -296,9 +280,7 @@ impl FeatureTransformer {
     /// [`sparse_linear_pair`] with this layer's parameters: `[batch, 2 * out]`, the side to
     /// move's half first.
     pub fn forward_pair<'a>(
-        &self,
-        white: impl Into<SparseFeatures<'a>>,
-        black: impl Into<SparseFeatures<'a>>,
+        &self, white: impl Into<SparseFeatures<'a>>, black: impl Into<SparseFeatures<'a>>,
         stm: &Tensor,
     ) -> Result<Tensor> {
         let (weight, bias) = (&self.weight, &self.bias);
@@ -375,10 +357,7 @@ fn same_device(a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
 
 impl Features {
     fn new(
-        sides: &[SparseFeatures<'_>],
-        stm: Option<&Tensor>,
-        weight: &Tensor,
-        bias: &Tensor,
+        sides: &[SparseFeatures<'_>], stm: Option<&Tensor>, weight: &Tensor, bias: &Tensor,
         options: &SparseLinearOptions,
     ) -> Result<Self> {
         let (num_inputs, out) = match weight.dims() {
@@ -392,26 +371,7 @@ impl Features {
                 bias.dims()
             );
         }
-        if !matches!(
-            weight.dtype(),
-            DType::F32 | DType::F16 | DType::BF16 | DType::F64
-        ) {
-            bail!(
-                "{OP}: weight must be f32, f16 or bf16 (f64 on the CPU), got {:?}",
-                weight.dtype()
-            );
-        }
-        if weight.device().is_cuda() && weight.dtype() == DType::F64 {
-            bail!("{OP}: f64 weights are supported on the CPU only");
-        }
-        if bias.dtype() != weight.dtype() {
-            bail!(
-                "{OP}: dtype mismatch, weight is {:?} but bias is {:?}",
-                weight.dtype(),
-                bias.dtype()
-            );
-        }
-        same_device(weight, bias, "bias")?;
+        crate::dispatch::check_float_operands(OP, ("weight", weight), &[("bias", bias)], &[])?;
         let names = [("white", "white_values"), ("black", "black_values")];
         let names = if sides.len() == 1 {
             &[("indices", "values")][..]
@@ -487,10 +447,7 @@ impl Features {
 
 /// Checks the active indices of `batch` rows of `max_active` (each row up to its first -1).
 fn validate_rows(
-    indices: &[i32],
-    batch: usize,
-    max_active: usize,
-    num_inputs: usize,
+    indices: &[i32], batch: usize, max_active: usize, num_inputs: usize,
 ) -> Result<()> {
     if max_active == 0 {
         return Ok(());
@@ -535,11 +492,7 @@ impl CustomOp2 for SparseLinear {
     }
 
     fn cpu_fwd(
-        &self,
-        weight: &CpuStorage,
-        weight_layout: &Layout,
-        bias: &CpuStorage,
-        bias_layout: &Layout,
+        &self, weight: &CpuStorage, weight_layout: &Layout, bias: &CpuStorage, bias_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let f = &self.batch;
         let locks = cpu::lock(f)?;
@@ -561,11 +514,8 @@ impl CustomOp2 for SparseLinear {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        weight: &candle_core::CudaStorage,
-        weight_layout: &Layout,
-        bias: &candle_core::CudaStorage,
-        bias_layout: &Layout,
+        &self, weight: &candle_core::CudaStorage, weight_layout: &Layout,
+        bias: &candle_core::CudaStorage, bias_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let f = &self.batch;
         let dev = &weight.device;
@@ -594,11 +544,7 @@ impl CustomOp2 for SparseLinear {
     }
 
     fn bwd(
-        &self,
-        weight: &Tensor,
-        _bias: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
+        &self, weight: &Tensor, _bias: &Tensor, _res: &Tensor, grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let f = &self.batch;
         // One buffer for both gradients: rows 0..num_inputs the weight's, the last row the bias's.
@@ -638,9 +584,7 @@ impl CustomOp1 for SparseLinearGrad {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        grad: &candle_core::CudaStorage,
-        layout: &Layout,
+        &self, grad: &candle_core::CudaStorage, layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let f = &self.batch;
         let dev = &grad.device;

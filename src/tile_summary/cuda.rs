@@ -1,5 +1,5 @@
 use super::Geometry;
-use crate::cuda::{alloc_output, grid_stride_config, Kernel, Module};
+use crate::cuda::{alloc_output, grid_stride_config, kernel_args, Kernel, Module};
 use crate::dispatch::mirrored_struct;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{CudaStorage, Result};
@@ -25,10 +25,7 @@ mirrored_struct!(TileSummaryArgs, 72, kernel_arg);
 const THREADS: u32 = crate::kernel_constants::tile_summary::THREADS as u32;
 
 pub(super) fn launch(
-    storage: &CudaStorage,
-    g: &Geometry,
-    tile_rows: usize,
-    tile_cols: usize,
+    storage: &CudaStorage, g: &Geometry, tile_rows: usize, tile_cols: usize,
 ) -> Result<CudaStorage> {
     let dev = &storage.device;
     let tiles = g.batch * g.row_tiles * g.col_tiles;
@@ -53,9 +50,7 @@ pub(super) fn launch(
         // kernel reads is inside the mask's layout (rows x cols of each batch entry from its
         // start, by its strides) and it writes one state per tile of `out`.
         unsafe {
-            kernel.launch(cfg, |a| {
-                a.arg(&mask).arg(&out).arg(&args);
-            })?;
+            kernel.launch(cfg, kernel_args!(&mask, &out, &args))?;
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -121,9 +121,7 @@ impl CustomOp1 for TileSummary {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        storage: &candle_core::CudaStorage,
-        layout: &Layout,
+        &self, storage: &candle_core::CudaStorage, layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.geometry(layout)?;
         let out = cuda::launch(storage, &g, self.tile_rows, self.tile_cols)?;

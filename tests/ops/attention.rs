@@ -64,11 +64,8 @@ impl Spec {
 /// Output `[b, h, m, dv]` and log-sum-exp `[b, h, m]` in f64 from the definition.
 #[allow(clippy::too_many_arguments)]
 fn reference(
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    (b, h, hk, m, n, d, dv): (usize, usize, usize, usize, usize, usize, usize),
-    spec: &Spec,
+    q: &[f64], k: &[f64], v: &[f64],
+    (b, h, hk, m, n, d, dv): (usize, usize, usize, usize, usize, usize, usize), spec: &Spec,
     scale: f64,
 ) -> (Vec<f64>, Vec<f64>) {
     let mut out = vec![0.0; b * h * m * dv];
@@ -121,11 +118,8 @@ enum Views {
 /// A problem's inputs: q `[b, h, m, d]`, k `[b, hk, n, d]`, v `[b, hk, n, dv]`, laid out as
 /// `views` says.
 fn inputs(
-    (b, h, hk, m, n, d, dv): (usize, usize, usize, usize, usize, usize, usize),
-    dtype: DType,
-    dev: &Device,
-    views: Views,
-    salt: u64,
+    (b, h, hk, m, n, d, dv): (usize, usize, usize, usize, usize, usize, usize), dtype: DType,
+    dev: &Device, views: Views, salt: u64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     if views == Views::Offset {
         let window = |shape: [usize; 4], salt| -> Result<Tensor> {
@@ -188,12 +182,8 @@ fn attention_tolerance(dtype: DType) -> f64 {
 }
 
 fn check(
-    dims: (usize, usize, usize, usize, usize, usize, usize),
-    spec: &Spec,
-    dtype: DType,
-    dev: &Device,
-    views: Views,
-    what: &str,
+    dims: (usize, usize, usize, usize, usize, usize, usize), spec: &Spec, dtype: DType,
+    dev: &Device, views: Views, what: &str,
 ) -> Result<()> {
     let (q, k, v) = inputs(dims, dtype, dev, views, 300)?;
     let scale = 1.0 / (dims.5 as f64).sqrt() * 1.3;
@@ -427,12 +417,7 @@ fn rows_that_see_no_key_are_zero() -> Result<()> {
 
 /// Composed candle attention with an additive mask (0 or -inf), for autograd comparisons.
 fn composed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    bias: &Tensor,
-    scale: f64,
-    group: usize,
+    q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64, group: usize,
 ) -> Result<Tensor> {
     let (b, hk, n, d) = k.dims4()?;
     let expand = |t: &Tensor| -> Result<Tensor> {

@@ -95,11 +95,7 @@ pub fn rng(salt: u64) -> rand::rngs::StdRng {
 /// The values are rounded to `dtype` first, so references built from [`to_f64`] see exactly the
 /// op's inputs.
 pub fn rand_tensor(
-    shape: &[usize],
-    scale: f64,
-    dtype: DType,
-    dev: &Device,
-    salt: u64,
+    shape: &[usize], scale: f64, dtype: DType, dev: &Device, salt: u64,
 ) -> Result<Tensor> {
     let mut rng = rng(salt);
     let n: usize = shape.iter().product();
@@ -186,11 +182,7 @@ pub fn product(a: &[f64], b: &[f64], batch: usize, m: usize, k: usize, n: usize)
 /// Row-wise argmin of `scale * (a . b) + bias` in f64, ties to the lowest column; also returns
 /// each row's scores.
 pub fn argmin_reference(
-    a: &[f64],
-    b: &[f64],
-    bias: &[f64],
-    scale: f64,
-    (batch, m, k, n): (usize, usize, usize, usize),
+    a: &[f64], b: &[f64], bias: &[f64], scale: f64, (batch, m, k, n): (usize, usize, usize, usize),
 ) -> Vec<Vec<f64>> {
     let p = product(a, b, batch, m, k, n);
     (0..batch * m)

@@ -527,11 +527,7 @@ fn argmin_matmul_matches_reference() -> Result<()> {
 /// Small-integer rows `a` `[m, k]` and columns `[n][k]` (every `every`-th column a copy of a
 /// random one): every score is exact in any float dtype and ties are planted.
 fn planted_ties(
-    m: usize,
-    k: usize,
-    n: usize,
-    every: usize,
-    salt: u64,
+    m: usize, k: usize, n: usize, every: usize, salt: u64,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let mut rng = rng(salt);
     let a: Vec<f32> = (0..m * k)

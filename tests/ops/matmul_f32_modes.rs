@@ -27,12 +27,7 @@ fn worst_error(a: &Tensor, b: &Tensor, exact: &[f64], mode: F32Matmul) -> Result
 
 /// `argmin_matmul(a, b, bias, -2)` (the k-means form) against the f64 reference, within `tol`.
 fn check_kmeans_like_argmin(
-    a: &Tensor,
-    b: &Tensor,
-    bias: &Tensor,
-    tol: f64,
-    what: &str,
-    mode: F32Matmul,
+    a: &Tensor, b: &Tensor, bias: &Tensor, tol: f64, what: &str, mode: F32Matmul,
 ) -> Result<()> {
     let (batch, m, k) = a.dims3()?;
     let n = b.dim(2)?;

@@ -53,10 +53,7 @@ fn params_with(config: &str, mlp: MlpWeights, fused: bool) -> ParamsSmallFcLOpt 
 }
 
 fn params_mode(
-    config: &str,
-    mlp: MlpWeights,
-    fused: bool,
-    tensor_cores: bool,
+    config: &str, mlp: MlpWeights, fused: bool, tensor_cores: bool,
 ) -> ParamsSmallFcLOpt {
     let mut params = ParamsSmallFcLOpt::new(mlp);
     params.backend.fused = fused;
@@ -71,12 +68,8 @@ fn params_mode(
 /// Replays `steps` of the golden run of `config` on `dev` from step `from` (vars and optimizer
 /// given), checking every parameter after every step against the vectors.
 fn replay(
-    g: &Golden,
-    config: &str,
-    vars: &[Var],
-    opt: &mut SmallFcLOpt,
-    steps: std::ops::RangeInclusive<usize>,
-    tol: f64,
+    g: &Golden, config: &str, vars: &[Var], opt: &mut SmallFcLOpt,
+    steps: std::ops::RangeInclusive<usize>, tol: f64,
 ) -> Result<f64> {
     let dev = vars[0].device().clone();
     let mut worst = 0f64;
@@ -374,12 +367,8 @@ fn structured_grads(vars: &[Var], dev: &Device, salt: u64, frozen: &[usize]) -> 
 /// look large), within `tol` for f32 variables and one rounding of the dtype otherwise.
 /// Returns the worst f32 error seen.
 fn check_fused_against_composed(
-    dev: &Device,
-    backend: LOptBackend,
-    vars: impl Fn() -> Result<Vec<Var>>,
-    frozen: &[usize],
-    steps: u64,
-    tol: f64,
+    dev: &Device, backend: LOptBackend, vars: impl Fn() -> Result<Vec<Var>>, frozen: &[usize],
+    steps: u64, tol: f64,
 ) -> Result<f64> {
     let mlp = MlpWeights::from_safetensors(MLP, dev)?;
     let (fused_vars, composed_vars) = (vars()?, vars()?);

@@ -88,11 +88,7 @@ impl Batch {
 
 /// f64 reference of one perspective: [batch, out].
 fn reference(
-    batch: &Batch,
-    with_values: bool,
-    weight: &[f64],
-    bias: &[f64],
-    out: usize,
+    batch: &Batch, with_values: bool, weight: &[f64], bias: &[f64], out: usize,
 ) -> Vec<f64> {
     let mut ys = Vec::with_capacity(batch.batch * out);
     for b in 0..batch.batch {
@@ -118,14 +114,8 @@ fn tol(dtype: DType) -> f64 {
 
 #[allow(clippy::too_many_arguments)]
 fn check_forward(
-    dev: &Device,
-    dtype: DType,
-    batch_size: usize,
-    max_active: usize,
-    num_inputs: usize,
-    out: usize,
-    with_values: bool,
-    salt: u64,
+    dev: &Device, dtype: DType, batch_size: usize, max_active: usize, num_inputs: usize,
+    out: usize, with_values: bool, salt: u64,
 ) -> Result<()> {
     let batch = Batch::random(batch_size, max_active, num_inputs, salt);
     let weight = rand_tensor(&[num_inputs, out], 1.0, dtype, dev, salt + 1)?;
@@ -285,12 +275,7 @@ fn pair_forward_puts_the_side_to_move_first() {
 /// Gradients of sum(y * r) for a random r: weight rows get v * r_row per occurrence, the bias
 /// the column sums of r (both halves in the pair form).
 fn check_backward(
-    dev: &Device,
-    dtype: DType,
-    pair: bool,
-    out: usize,
-    with_values: bool,
-    salt: u64,
+    dev: &Device, dtype: DType, pair: bool, out: usize, with_values: bool, salt: u64,
     options: &SparseLinearOptions,
 ) -> Result<()> {
     let (n, num_inputs) = (37, 53);
@@ -548,10 +533,7 @@ const DETERMINISTIC: SparseLinearOptions = SparseLinearOptions {
 
 /// Weight and bias gradients of sum(y * r) (deterministic backward) as flat vectors.
 fn grads_of(
-    indices: &Tensor,
-    weight: &Var,
-    bias: &Var,
-    r: &Tensor,
+    indices: &Tensor, weight: &Var, bias: &Var, r: &Tensor,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let ys = sparse_linear_with(SparseFeatures::new(indices), weight, bias, &DETERMINISTIC)?;
     let grads = (ys * r)?.sum_all()?.backward()?;

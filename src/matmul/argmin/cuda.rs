@@ -1,4 +1,6 @@
-use crate::cuda::{alloc_output, fill_bytes, grid_stride_config, sm_count, Kernel, Module};
+use crate::cuda::{
+    alloc_output, fill_bytes, grid_stride_config, kernel_args, sm_count, Kernel, Module,
+};
 use crate::dispatch::mirrored_struct;
 use crate::matmul::core::{
     cuda::{core_launch, ProblemArgs},
@@ -21,14 +23,8 @@ use crate::kernel_constants::matmul::BLOCKS_PER_SM;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-    dev: &CudaDevice,
-    a: &CudaSlice<T>,
-    b: &CudaSlice<T>,
-    bias: &CudaView<'_, f32>,
-    av: &MatView,
-    bv: &MatView,
-    mode: crate::F32Matmul,
-    scale: f32,
+    dev: &CudaDevice, a: &CudaSlice<T>, b: &CudaSlice<T>, bias: &CudaView<'_, f32>, av: &MatView,
+    bv: &MatView, mode: crate::F32Matmul, scale: f32,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
     let rows = batch * m;
@@ -64,23 +60,17 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
     // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
     unsafe {
-        product.launch(cfg, |args| {
-            args.arg(&a)
-                .arg(&b)
-                .arg(bias)
-                .arg(&keys)
-                .arg(&problem)
-                .arg(&argmin_args);
-        })?;
+        product.launch(
+            cfg,
+            kernel_args!(&a, &b, bias, &keys, &problem, &argmin_args),
+        )?;
     }
     let rows64 = rows as u64;
     let cfg = grid_stride_config(dev, rows64, 256, 4, 0)?;
     let finish = Kernel::load(dev, Module::Matmul, &["argmin_keys_to_index"])?;
     // SAFETY: `argmin_keys_to_index(keys, out, rows)` with both buffers `rows` long.
     unsafe {
-        finish.launch(cfg, |args| {
-            args.arg(&keys).arg(&out).arg(&rows64);
-        })?;
+        finish.launch(cfg, kernel_args!(&keys, &out, &rows64))?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

@@ -43,21 +43,14 @@ const OP: &str = "argmin_matmul";
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn argmin_matmul(
-    a: &Tensor,
-    b: &Tensor,
-    col_bias: Option<&Tensor>,
-    scale: f64,
+    a: &Tensor, b: &Tensor, col_bias: Option<&Tensor>, scale: f64,
 ) -> Result<Tensor> {
     argmin_matmul_with(a, b, col_bias, scale, &MatmulOptions::default())
 }
 
 /// [`argmin_matmul`] with per-call options (the f32 mode on CUDA).
 pub fn argmin_matmul_with(
-    a: &Tensor,
-    b: &Tensor,
-    col_bias: Option<&Tensor>,
-    scale: f64,
-    options: &MatmulOptions,
+    a: &Tensor, b: &Tensor, col_bias: Option<&Tensor>, scale: f64, options: &MatmulOptions,
 ) -> Result<Tensor> {
     check_args(a, b, col_bias)?;
     let n = b.dim(D::Minus1)?;
@@ -216,12 +209,7 @@ fn less<A: CpuGemm>(x: A, y: A) -> bool {
 }
 
 fn cpu_argmin<A: CpuGemm + candle_core::WithDType>(
-    a: &[A],
-    b: &[A],
-    bias: &[f32],
-    av: &MatView,
-    bv: &MatView,
-    scale: f32,
+    a: &[A], b: &[A], bias: &[f32], av: &MatView, bv: &MatView, scale: f32,
 ) -> Result<Vec<u32>> {
     av.check_within(a.len(), OP)?;
     bv.check_within(b.len(), OP)?;
@@ -285,13 +273,8 @@ impl CustomOp3 for ArgminMatmul {
     }
 
     fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        a_layout: &Layout,
-        b: &CpuStorage,
-        b_layout: &Layout,
-        bias: &CpuStorage,
-        bias_layout: &Layout,
+        &self, a: &CpuStorage, a_layout: &Layout, b: &CpuStorage, b_layout: &Layout,
+        bias: &CpuStorage, bias_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (av, bv, shape) = views(a_layout, b_layout)?;
         let Some((start, end)) = bias_layout.contiguous_offsets() else {
@@ -306,13 +289,8 @@ impl CustomOp3 for ArgminMatmul {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        a: &candle_core::CudaStorage,
-        a_layout: &Layout,
-        b: &candle_core::CudaStorage,
-        b_layout: &Layout,
-        bias: &candle_core::CudaStorage,
-        bias_layout: &Layout,
+        &self, a: &candle_core::CudaStorage, a_layout: &Layout, b: &candle_core::CudaStorage,
+        b_layout: &Layout, bias: &candle_core::CudaStorage, bias_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (av, bv, shape) = views(a_layout, b_layout)?;
         let dev = &a.device;

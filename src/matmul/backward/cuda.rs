@@ -1,4 +1,4 @@
-use crate::cuda::alloc_output;
+use crate::cuda::{alloc_output, kernel_args};
 use crate::dispatch::mirrored_struct;
 use crate::matmul::core::cuda::{core_launch, ProblemArgs};
 use crate::matmul::core::{MatView, TILE};
@@ -17,13 +17,8 @@ mirrored_struct!(SpanArgs, 16, kernel_arg);
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-    dev: &CudaDevice,
-    a: &CudaSlice<T>,
-    b: &CudaSlice<T>,
-    spans: &CudaView<'_, u32>,
-    (av, bv): (&MatView, &MatView),
-    spans_batch_stride: usize,
-    by_cols: bool,
+    dev: &CudaDevice, a: &CudaSlice<T>, b: &CudaSlice<T>, spans: &CudaView<'_, u32>,
+    (av, bv): (&MatView, &MatView), spans_batch_stride: usize, by_cols: bool,
     mode: crate::F32Matmul,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
@@ -48,15 +43,7 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
         // spans hold a pair per output tile along the spanned dim (checked by the caller)
         // and the kernel clamps each span to the reduction length.
         unsafe {
-            kernel.launch(cfg, |builder| {
-                builder
-                    .arg(&a)
-                    .arg(&b)
-                    .arg(spans)
-                    .arg(&out)
-                    .arg(&problem)
-                    .arg(&args);
-            })?;
+            kernel.launch(cfg, kernel_args!(&a, &b, spans, &out, &problem, &args))?;
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -57,11 +57,7 @@ pub(crate) fn tile_spans(states: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `spans` u32 `[1 or batch, tiles, 2]` from [`tile_spans`].
 /// `mode` is the f32 mode on CUDA (the forward call's).
 pub(crate) fn span_matmul(
-    a: &Tensor,
-    b: &Tensor,
-    spans: &Tensor,
-    by_cols: bool,
-    mode: F32Matmul,
+    a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool, mode: F32Matmul,
 ) -> Result<Tensor> {
     let (batch, m, _) = a.dims3()?;
     let n = b.dim(2)?;
@@ -122,9 +118,7 @@ impl SpanMatmul {
     }
 
     fn cpu_product<A: CpuGemm + candle_core::WithDType>(
-        &self,
-        a: (&[A], &MatView),
-        b: (&[A], &MatView),
+        &self, a: (&[A], &MatView), b: (&[A], &MatView),
     ) -> Result<Vec<A>> {
         let ((a, av), (b, bv)) = (a, b);
         av.check_within(a.len(), OP)?;
@@ -194,8 +188,7 @@ impl SpanMatmul {
         };
         // One task per (batch entry, row tile): TILE consecutive rows of the output.
         // SAFETY: the products cover every row and column (an empty span writes zeros).
-        let out = unsafe { crate::cpu::written_output::<A>(len, write_all) };
-        Ok(out)
+        Ok(unsafe { crate::cpu::written_output::<A>(len, write_all) })
     }
 }
 
@@ -205,11 +198,7 @@ impl CustomOp2 for SpanMatmul {
     }
 
     fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        a_layout: &Layout,
-        b: &CpuStorage,
-        b_layout: &Layout,
+        &self, a: &CpuStorage, a_layout: &Layout, b: &CpuStorage, b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (av, bv) = Self::views(a_layout, b_layout)?;
         let shape = Shape::from((av.batch, av.rows, bv.cols));
@@ -221,10 +210,7 @@ impl CustomOp2 for SpanMatmul {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        a: &candle_core::CudaStorage,
-        a_layout: &Layout,
-        b: &candle_core::CudaStorage,
+        &self, a: &candle_core::CudaStorage, a_layout: &Layout, b: &candle_core::CudaStorage,
         b_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (av, bv) = Self::views(a_layout, b_layout)?;

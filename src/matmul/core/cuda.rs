@@ -11,12 +11,8 @@ pub(crate) use crate::kernel_constants::matmul::ASYNC_SHARED_BYTES;
 /// each; `THREADS` threads, the dynamic shared memory of the async core). `op` names the caller in
 /// the error for a grid too large to launch.
 pub(crate) fn core_launch<T: WithDType>(
-    dev: &candle_core::CudaDevice,
-    op: &str,
-    base: &str,
-    problem: &ProblemArgs,
-    mode: super::F32Matmul,
-    blocks: usize,
+    dev: &candle_core::CudaDevice, op: &str, base: &str, problem: &ProblemArgs,
+    mode: super::F32Matmul, blocks: usize,
 ) -> candle_core::Result<(crate::cuda::Kernel, LaunchConfig)> {
     use crate::cuda::{Kernel, Module};
     if blocks > i32::MAX as usize {
@@ -44,8 +40,7 @@ pub(crate) fn core_launch<T: WithDType>(
 /// `_tf32x3` (async) or the FMA kernel when compensated, `_f32` (FMA), `_tf32` (async) or
 /// `_tc` for TF32. The `FASTOPS_MATMUL_ASYNC=0` tuning variable turns the async core off.
 fn core_variant<T: WithDType>(
-    problem: &ProblemArgs,
-    mode: super::F32Matmul,
+    problem: &ProblemArgs, mode: super::F32Matmul,
 ) -> (&'static str, bool) {
     use super::F32Matmul;
     let copyable = problem.copyable(T::DTYPE.size_in_bytes())
@@ -86,11 +81,7 @@ impl OperandArgs {
     /// the buffer's end (a single unaligned row at the end of its allocation, e.g. `[7, 1]`
     /// f32) takes the scalar path, so no access ever leaves the allocation.
     fn new(
-        view: &MatView,
-        outer_stride: usize,
-        k_stride: usize,
-        outer_len: usize,
-        buffer_len: usize,
+        view: &MatView, outer_stride: usize, k_stride: usize, outer_len: usize, buffer_len: usize,
     ) -> Self {
         // Whether runs of `group` elements along the contiguous dim, starting at multiples
         // of `group`, are aligned to `group` elements (4: the FMA / TF32 cores' vector

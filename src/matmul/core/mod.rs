@@ -217,13 +217,8 @@ impl CpuGemm for f64 {}
 /// `a` and `b` must hold their views ([`MatView::check_within`]) and `dst` must be valid for
 /// writes of `rows.len()` rows of `cols.len()` elements at stride `dst_row_stride`.
 pub(crate) unsafe fn cpu_block_product<A: CpuGemm>(
-    a: (&[A], &MatView),
-    b: (&[A], &MatView),
-    batch: usize,
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
-    dst: *mut A,
-    dst_row_stride: usize,
+    a: (&[A], &MatView), b: (&[A], &MatView), batch: usize, rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>, dst: *mut A, dst_row_stride: usize,
 ) {
     let ((a, av), (b, bv)) = (a, b);
     let (m, n, k) = (rows.len(), cols.len(), av.cols);

@@ -1,5 +1,5 @@
 use super::{Dims, TILE};
-use crate::cuda::alloc_output;
+use crate::cuda::{alloc_output, kernel_args};
 use crate::dispatch::mirrored_struct;
 use crate::matmul::core::cuda::{core_launch, ProblemArgs};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
@@ -18,14 +18,8 @@ mirrored_struct!(MaskArgs, 24, kernel_arg);
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
-    dev: &CudaDevice,
-    a: &CudaSlice<T>,
-    b: &CudaSlice<T>,
-    mask: &CudaView<'_, u8>,
-    states: &CudaView<'_, u8>,
-    dims: &Dims,
-    fill: f64,
-    mode: crate::F32Matmul,
+    dev: &CudaDevice, a: &CudaSlice<T>, b: &CudaSlice<T>, mask: &CudaView<'_, u8>,
+    states: &CudaView<'_, u8>, dims: &Dims, fill: f64, mode: crate::F32Matmul,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (dims.a.batch, dims.a.rows, dims.b.cols);
     let out = alloc_output::<T>(dev, batch * m * n)?;
@@ -51,15 +45,10 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
         // the kernel bounds every access by the problem's sizes and strides, which come
         // from the operands' layouts.
         unsafe {
-            kernel.launch(cfg, |args| {
-                args.arg(&a)
-                    .arg(&b)
-                    .arg(mask)
-                    .arg(states)
-                    .arg(&out)
-                    .arg(&problem)
-                    .arg(&mask_args);
-            })?;
+            kernel.launch(
+                cfg,
+                kernel_args!(&a, &b, mask, states, &out, &problem, &mask_args),
+            )?;
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -130,11 +130,7 @@ pub fn masked_bmm(a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64) -> Result<Te
 
 /// [`masked_bmm`] with a [`MaskPlan`] built earlier from the same mask.
 pub fn masked_bmm_with_plan(
-    a: &Tensor,
-    b: &Tensor,
-    mask: &Tensor,
-    plan: &MaskPlan,
-    fill: f64,
+    a: &Tensor, b: &Tensor, mask: &Tensor, plan: &MaskPlan, fill: f64,
 ) -> Result<Tensor> {
     masked_bmm_with(a, b, mask, fill, Some(plan), &MatmulOptions::default())
 }
@@ -142,11 +138,7 @@ pub fn masked_bmm_with_plan(
 /// [`masked_bmm`] with an optional [`MaskPlan`] (built here when `None`) and per-call options
 /// (the f32 mode on CUDA, used by the backward products too).
 pub fn masked_bmm_with(
-    a: &Tensor,
-    b: &Tensor,
-    mask: &Tensor,
-    fill: f64,
-    plan: Option<&MaskPlan>,
+    a: &Tensor, b: &Tensor, mask: &Tensor, fill: f64, plan: Option<&MaskPlan>,
     options: &MatmulOptions,
 ) -> Result<Tensor> {
     check_args(a, b, mask)?;
@@ -282,11 +274,7 @@ struct MaskedBmm {
 
 impl MaskedBmm {
     fn cpu_product<A: CpuGemm + candle_core::WithDType>(
-        &self,
-        a: &[A],
-        b: &[A],
-        mask: &[u8],
-        dims: &Dims,
+        &self, a: &[A], b: &[A], mask: &[u8], dims: &Dims,
     ) -> Result<Vec<A>> {
         let lock = self.plan.states.storage_and_layout();
         let states: &[u8] = crate::cpu::locked_slice(&lock, OP)?;
@@ -374,8 +362,7 @@ impl MaskedBmm {
         };
         // SAFETY: every element lies in an empty tile (filled) or in a run (written by the block
         // product).
-        let out = unsafe { crate::cpu::written_output::<A>(len, write_all) };
-        Ok(out)
+        Ok(unsafe { crate::cpu::written_output::<A>(len, write_all) })
     }
 }
 
@@ -385,13 +372,8 @@ impl CustomOp3 for MaskedBmm {
     }
 
     fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        a_layout: &Layout,
-        b: &CpuStorage,
-        b_layout: &Layout,
-        mask: &CpuStorage,
-        mask_layout: &Layout,
+        &self, a: &CpuStorage, a_layout: &Layout, b: &CpuStorage, b_layout: &Layout,
+        mask: &CpuStorage, mask_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let mask = mask.as_slice::<u8>()?;
@@ -403,13 +385,8 @@ impl CustomOp3 for MaskedBmm {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
-        &self,
-        a: &candle_core::CudaStorage,
-        a_layout: &Layout,
-        b: &candle_core::CudaStorage,
-        b_layout: &Layout,
-        mask: &candle_core::CudaStorage,
-        mask_layout: &Layout,
+        &self, a: &candle_core::CudaStorage, a_layout: &Layout, b: &candle_core::CudaStorage,
+        b_layout: &Layout, mask: &candle_core::CudaStorage, mask_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let dev = &a.device;
@@ -426,12 +403,7 @@ impl CustomOp3 for MaskedBmm {
     }
 
     fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        mask: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
+        &self, a: &Tensor, b: &Tensor, mask: &Tensor, _res: &Tensor, grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let keep = mask.ne(&mask.zeros_like()?)?.broadcast_as(grad.shape())?;
         let zero = Tensor::zeros((), grad.dtype(), grad.device())?.broadcast_as(grad.shape())?;

@@ -122,10 +122,7 @@ mirrored_struct!(Hyper, 16, kernel_arg);
 /// The new parameter values (flat f32) from pass 1's feature `sums` of squares (`[28]`) and the
 /// packed MLP; the per-tensor norms `1 / sqrt(sum / n + 1e-5)` are taken inside the pass.
 pub(super) fn mlp_update(
-    t: &FusedTensor,
-    sums: &Tensor,
-    mlp: &Tensor,
-    hyper: Hyper,
+    t: &FusedTensor, sums: &Tensor, mlp: &Tensor, hyper: Hyper,
 ) -> Result<Tensor> {
     t.param.apply_op1_no_bwd(&Update {
         t: t.clone(),
@@ -409,11 +406,7 @@ impl CpuMlp {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn update_chunk_avx2(
-    t: &CpuTensor,
-    net: &CpuMlp,
-    scale: &[f32],
-    h: Hyper,
-    first: usize,
+    t: &CpuTensor, net: &CpuMlp, scale: &[f32], h: Hyper, first: usize,
     dst: &mut [std::mem::MaybeUninit<f32>],
 ) {
     update_chunk(t, net, scale, h, first, dst)
@@ -424,11 +417,7 @@ unsafe fn update_chunk_avx2(
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
 fn update_chunk(
-    t: &CpuTensor,
-    net: &CpuMlp,
-    scale: &[f32],
-    h: Hyper,
-    first: usize,
+    t: &CpuTensor, net: &CpuMlp, scale: &[f32], h: Hyper, first: usize,
     dst: &mut [std::mem::MaybeUninit<f32>],
 ) {
     for (i, d) in dst.iter_mut().enumerate() {

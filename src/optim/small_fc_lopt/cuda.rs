@@ -14,7 +14,7 @@
 //! `lopt_chunk_sums`.
 
 use super::cpu::{Decays, Hyper, FEATURES, MLP_FLOATS};
-use crate::cuda::{FastDiv, Kernel, Module};
+use crate::cuda::{kernel_args, FastDiv, Kernel, Module};
 use crate::dispatch::mirrored_struct;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -424,11 +424,7 @@ impl DeviceState {
     /// tensor's element count, or `None` to leave the tensor untouched; the parameter is
     /// overwritten with its new value.
     pub fn step(
-        &self,
-        work: &[Option<(Tensor, Tensor)>],
-        decays: Decays,
-        mlp: &Tensor,
-        hyper: Hyper,
+        &self, work: &[Option<(Tensor, Tensor)>], decays: Decays, mlp: &Tensor, hyper: Hyper,
         backend: Backend,
     ) -> Result<()> {
         let Device::Cuda(dev) = self.elem.device() else {
@@ -466,13 +462,8 @@ impl DeviceState {
     /// The launches of [`Self::step`], given the device address of each tensor's first element
     /// (in `step`'s order), all held locked by the caller.
     fn launch_step(
-        &self,
-        dev: &candle_core::CudaDevice,
-        work: &[Option<(Tensor, Tensor)>],
-        views: &[u64],
-        decays: Decays,
-        hyper: Hyper,
-        backend: Backend,
+        &self, dev: &candle_core::CudaDevice, work: &[Option<(Tensor, Tensor)>], views: &[u64],
+        decays: Decays, hyper: Hyper, backend: Backend,
     ) -> Result<()> {
         let ptr = |i: usize| views[i];
         let fixed = |slot: Locked| views[slot as usize];
@@ -568,17 +559,6 @@ impl DeviceState {
             let chunk_starts = ptr(start_ptrs + gi);
             let (first, count, n_chunks) = (group.first as u32, group.count as u32, group.n_chunks);
             let n_tiles = group.n_tiles;
-            // The arguments the three chunk-walking kernels start with.
-            macro_rules! chunk_args {
-                ($a:expr) => {
-                    $a.arg(&meta)
-                        .arg(&chunks)
-                        .arg(&n_chunks)
-                        .arg(&first)
-                        .arg(&tensors)
-                        .arg(&buffers)
-                };
-            }
             // SAFETY (all four launches): the arguments match the kernels' signatures; `meta`
             // and `chunks` are the tables built for these tensors, every address in `tensors`
             // is a live contiguous f32 buffer of its tensor's element count, and the state,
@@ -594,51 +574,66 @@ impl DeviceState {
                         block_dim: (THREADS, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    square_sums_ordered.launch(cfg, |a| {
-                        a.arg(&meta).arg(&first).arg(&tensors).arg(&buffers);
-                    })?;
+                    square_sums_ordered
+                        .launch(cfg, kernel_args!(&meta, &first, &tensors, &buffers))?;
                 }
                 if group.chunked_matrices && !backend.deterministic {
                     let runs = n_chunks.div_ceil(SQUARE_SUM_RUN);
-                    square_sums.launch(grid(caps[0], runs), |a| {
-                        chunk_args!(a);
-                    })?;
+                    square_sums.launch(
+                        grid(caps[0], runs),
+                        kernel_args!(&meta, &chunks, &n_chunks, &first, &tensors, &buffers),
+                    )?;
                 }
                 if n_tiles > 0 && !backend.deterministic {
-                    square_sums_tiled.launch(grid(caps[4], n_tiles), |a| {
-                        a.arg(&meta)
-                            .arg(&tiles)
-                            .arg(&n_tiles)
-                            .arg(&first)
-                            .arg(&tensors)
-                            .arg(&buffers);
-                    })?;
+                    square_sums_tiled.launch(
+                        grid(caps[4], n_tiles),
+                        kernel_args!(&meta, &tiles, &n_tiles, &first, &tensors, &buffers),
+                    )?;
                 }
-                factors.launch(grid(caps[1], count), |a| {
-                    a.arg(&meta)
-                        .arg(&first)
-                        .arg(&count)
-                        .arg(&tensors)
-                        .arg(&buffers)
-                        .arg(&decays)
-                        .arg(&deterministic);
-                })?;
-                stats.launch(grid(caps[2], n_chunks), |a| {
-                    chunk_args!(a).arg(&decays).arg(&chunk_sums);
-                })?;
+                factors.launch(
+                    grid(caps[1], count),
+                    kernel_args!(
+                        &meta,
+                        &first,
+                        &count,
+                        &tensors,
+                        &buffers,
+                        &decays,
+                        &deterministic
+                    ),
+                )?;
+                stats.launch(
+                    grid(caps[2], n_chunks),
+                    kernel_args!(
+                        &meta,
+                        &chunks,
+                        &n_chunks,
+                        &first,
+                        &tensors,
+                        &buffers,
+                        &decays,
+                        &chunk_sums
+                    ),
+                )?;
                 if backend.deterministic {
-                    chunk_sums_kernel.launch(grid(caps[1], count), |a| {
-                        a.arg(&chunk_starts)
-                            .arg(&first)
-                            .arg(&count)
-                            .arg(&tensors)
-                            .arg(&buffers)
-                            .arg(&chunk_sums);
-                    })?;
+                    chunk_sums_kernel.launch(
+                        grid(caps[1], count),
+                        kernel_args!(
+                            &chunk_starts,
+                            &first,
+                            &count,
+                            &tensors,
+                            &buffers,
+                            &chunk_sums
+                        ),
+                    )?;
                 }
-                update.launch(grid(caps[3], n_chunks), |a| {
-                    chunk_args!(a).arg(&mlp_ptr).arg(&hyper);
-                })?;
+                update.launch(
+                    grid(caps[3], n_chunks),
+                    kernel_args!(
+                        &meta, &chunks, &n_chunks, &first, &tensors, &buffers, &mlp_ptr, &hyper
+                    ),
+                )?;
             }
         }
         Ok(())

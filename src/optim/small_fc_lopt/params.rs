@@ -100,8 +100,7 @@ impl ParamsSmallFcLOpt {
     /// The published defaults with the MLP read from a safetensors file (see
     /// [`MlpWeights::from_safetensors`]).
     pub fn from_safetensors(
-        path: impl AsRef<std::path::Path>,
-        device: &candle_core::Device,
+        path: impl AsRef<std::path::Path>, device: &candle_core::Device,
     ) -> candle_core::Result<Self> {
         Ok(Self::new(MlpWeights::from_safetensors(path, device)?))
     }

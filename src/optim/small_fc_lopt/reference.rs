@@ -20,12 +20,7 @@ pub(super) type Scales = ([Tensor; 3], [Tensor; 3]);
 /// A matrix's new row and column accumulators from `g2 = g^2 + 1e-30`, and its row and column
 /// factors (`srsqrt` of the row accumulator over its mean along d1, `srsqrt` of the column one).
 pub(super) fn matrix_factors(
-    d0: usize,
-    d1: usize,
-    row: &Tensor,
-    col: &Tensor,
-    g2: &Tensor,
-    decays: &Decays,
+    d0: usize, d1: usize, row: &Tensor, col: &Tensor, g2: &Tensor, decays: &Decays,
 ) -> Result<(Factors, Scales)> {
     // Each op works on the three stacked accumulators at once (axis 0), d0 and d1 move to
     // d0 + 1 and d1 + 1.
@@ -108,12 +103,7 @@ pub(super) fn ema(acc: &Tensor, x: &Tensor, beta: f64) -> Result<Tensor> {
 impl SmallFcLOpt {
     /// The reference: every feature as a tensor, stacked `[28, n]`, the MLP as matmuls.
     pub(super) fn composed_update(
-        &self,
-        shape: &[usize],
-        g: &Tensor,
-        p: &Tensor,
-        acc: &Accumulators,
-        mlp: &StepMlp,
+        &self, shape: &[usize], g: &Tensor, p: &Tensor, acc: &Accumulators, mlp: &StepMlp,
     ) -> Result<Tensor> {
         let momentum = &acc.momentum;
         let mut fac_g = Vec::with_capacity(3);

@@ -88,8 +88,7 @@ impl TensorState {
 impl TensorState {
     /// The states of `vars` as views into one set of flat device buffers.
     pub(super) fn new_flat(
-        vars: Vec<(String, Var)>,
-        dev: &Device,
+        vars: Vec<(String, Var)>, dev: &Device,
     ) -> Result<(cuda::DeviceState, Vec<Self>)> {
         let shapes: Vec<_> = vars
             .iter()

@@ -13,11 +13,7 @@ impl SmallFcLOpt {
     /// launches (parameters of dtypes other than f32, or not contiguous, go through an f32 copy).
     #[cfg(feature = "cuda")]
     pub(super) fn flat_step(
-        &self,
-        flat: &cuda::DeviceState,
-        work: Vec<(usize, Tensor)>,
-        decays: &Decays,
-        mlp: &StepMlp,
+        &self, flat: &cuda::DeviceState, work: Vec<(usize, Tensor)>, decays: &Decays, mlp: &StepMlp,
     ) -> Result<()> {
         let mut tensors: Vec<Option<(Tensor, Tensor)>> = vec![None; self.states.len()];
         let mut copied = Vec::new();
@@ -60,11 +56,7 @@ impl SmallFcLOpt {
 
     /// The new state and parameter value of one tensor, or `None` when it is skipped.
     pub(super) fn tensor_step(
-        &self,
-        state: &TensorState,
-        grad: &Tensor,
-        decays: &Decays,
-        mlp: &StepMlp,
+        &self, state: &TensorState, grad: &Tensor, decays: &Decays, mlp: &StepMlp,
     ) -> Result<Option<(TensorState, Tensor)>> {
         let shape = state.shape.as_slice();
         let Some(g) = self.prepare_grad(state, grad)? else {
@@ -96,12 +88,7 @@ impl SmallFcLOpt {
     /// Fused passes: feature norms, then features + MLP + update, never materialising the
     /// features.
     pub(super) fn fused_update(
-        &self,
-        state: &TensorState,
-        g: &Tensor,
-        p: &Tensor,
-        decays: &Decays,
-        mlp: &StepMlp,
+        &self, state: &TensorState, g: &Tensor, p: &Tensor, decays: &Decays, mlp: &StepMlp,
     ) -> Result<(Tensor, Accumulators)> {
         let shape = state.shape.as_slice();
         // Matrices: the small per-row / per-column tensors first (candle ops), since every
