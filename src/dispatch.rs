@@ -101,7 +101,7 @@ pub(crate) fn check_float_operands(
         DType::F32 | DType::F16 | DType::BF16 | DType::F64
     ) {
         bail!(
-            "{op}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
+            "{op}: {main_name} has unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
             t.dtype()
         );
     }

@@ -474,7 +474,7 @@ fn bad_inputs_are_clear_errors() {
                 &on_cpu(&w, DType::U32)?,
                 &on_cpu(&b, DType::U32)?,
             ),
-            "must be f32",
+            "weight has unsupported dtype",
         );
         let black = Tensor::new(&[[1i32, 2, 3]], dev)?;
         let stm = Tensor::new(&[1u8, 0], dev)?;
