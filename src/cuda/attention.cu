@@ -14,6 +14,8 @@
 // the query tiles of every query head of its group): no atomics, identical bits run to run.
 #include "common.cuh"
 
+#include <type_traits>
+
 using namespace fastops;
 namespace AC = fastops_constants::attention;
 
@@ -82,6 +84,35 @@ struct MaskView {
         }
         if (state == TILE_FULL && (c0 + BK > a.n || r0 + BQ > a.m)) state = TILE_PARTIAL;
         return state;
+    }
+
+    // Whether the mask is generated (full, causal, window): each query then sees one run of keys,
+    // and each key is seen by one run of queries.
+    __device__ __forceinline__ bool generated() const { return a.mask.kind <= AC::MASK_WINDOW; }
+
+    // Clamps the run [first, last] of a generated mask to the offsets [lo, hi] from base of a
+    // span of len (empty when lo > hi).
+    static __device__ __forceinline__ void clamp_run(int64_t first, int64_t last, int64_t base, int len, int& lo,
+                                                     int& hi) {
+        lo = static_cast<int>(max(min(first - base, static_cast<int64_t>(len)), static_cast<int64_t>(0)));
+        hi = static_cast<int>(max(min(last - base, static_cast<int64_t>(len) - 1), static_cast<int64_t>(-1)));
+    }
+
+    // For a generated mask: the keys j0 .. j0 + len - 1 that query i sees, as offsets [lo, hi].
+    __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
+        const int64_t pos = i + a.n - a.m;
+        const int64_t last = i >= a.m ? -1 : (a.mask.kind == AC::MASK_FULL ? a.n - 1 : min(pos, a.n - 1));
+        const int64_t first = a.mask.kind == AC::MASK_WINDOW ? pos - a.mask.window + 1 : 0;
+        clamp_run(first, last, j0, len, lo, hi);
+    }
+
+    // For a generated mask: the queries i0 .. i0 + len - 1 that see key j, as offsets [lo, hi].
+    __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
+        const int64_t shift = a.n - a.m;  // query i sits at key position i + shift
+        const int64_t first = a.mask.kind == AC::MASK_FULL ? 0 : max(j - shift, static_cast<int64_t>(0));
+        const int64_t last =
+            j >= a.n ? -1 : (a.mask.kind == AC::MASK_WINDOW ? min(j - shift + a.mask.window - 1, a.m - 1) : a.m - 1);
+        clamp_run(first, last, i0, len, lo, hi);
     }
 
     // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
@@ -160,50 +191,49 @@ __device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
 }
 
 // acc (16 MF x 8 NT) = rows r0.. (MF fragments of 16) of `a_tile` . rows n0.. (8 NT) of
-// `b_tile`ᵀ, over the first k_len columns (rounded up to 16; the padding is zero). Each B fragment
-// serves all MF row fragments.
+// `b_tile`ᵀ, over all K columns. Each B fragment serves all MF row fragments. Both tiles come from
+// load_tile, which zero-fills the columns past the operands' own (d or dv below K), so those add
+// exact zeros: a head dim below the kernel's K costs K's time. The loop has no per-step bound
+// test: with one, ptxas could not issue the next step's ldmatrix before this step's mma (20%
+// of the forward's time on the H200).
 template <typename T, int K, int LD, int MF, int NT>
 __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
-                                            int64_t k_len, int lane) {
+                                            int lane) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of 8-column tiles");
     zero_fragments(acc);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        if (kk * 16 < k_len) {
-            uint32_t a[MF][4];
+        uint32_t a[MF][4];
 #pragma unroll
-            for (int f = 0; f < MF; ++f) load_a<T, LD>(a[f], a_tile, r0 + 16 * f, kk * 16, lane);
+        for (int f = 0; f < MF; ++f) load_a<T, LD>(a[f], a_tile, r0 + 16 * f, kk * 16, lane);
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                uint32_t b[4];
-                load_b<T, LD>(b, b_tile, n0 + np * 16, kk * 16, lane);
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t b[4];
+            load_b<T, LD>(b, b_tile, n0 + np * 16, kk * 16, lane);
 #pragma unroll
-                for (int f = 0; f < MF; ++f) {
-                    mma_m16n8k16<T>(acc[f][2 * np], a[f], b[0], b[1]);
-                    mma_m16n8k16<T>(acc[f][2 * np + 1], a[f], b[2], b[3]);
-                }
+            for (int f = 0; f < MF; ++f) {
+                mma_m16n8k16<T>(acc[f][2 * np], a[f], b[0], b[1]);
+                mma_m16n8k16<T>(acc[f][2 * np + 1], a[f], b[2], b[3]);
             }
         }
     }
 }
 
 // acc (16 MF x N) += p (16 MF x 16 KS, A fragments) . rows k0.. (16 KS) of `b_tile` (stored
-// [k][n]), over the first n_len columns (rounded up to 16).
+// [k][n]), over all N columns (zero past the operand's own, as in product_abt).
 template <typename T, int N, int LD, int MF, int KS>
 __device__ __forceinline__ void product_pb(float (&acc)[MF][N / 8][4], const uint32_t (&p)[MF][KS][4],
-                                           const T* b_tile, int k0, int64_t n_len, int lane) {
+                                           const T* b_tile, int k0, int lane) {
 #pragma unroll
     for (int dt = 0; dt < N / 16; ++dt) {
-        if (dt * 16 < n_len) {
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                uint32_t b[4];
-                load_b_trans<T, LD>(b, b_tile, k0 + kk * 16, dt * 16, lane);
+        for (int kk = 0; kk < KS; ++kk) {
+            uint32_t b[4];
+            load_b_trans<T, LD>(b, b_tile, k0 + kk * 16, dt * 16, lane);
 #pragma unroll
-                for (int f = 0; f < MF; ++f) {
-                    mma_m16n8k16<T>(acc[f][2 * dt], p[f][kk], b[0], b[1]);
-                    mma_m16n8k16<T>(acc[f][2 * dt + 1], p[f][kk], b[2], b[3]);
-                }
+            for (int f = 0; f < MF; ++f) {
+                mma_m16n8k16<T>(acc[f][2 * dt], p[f][kk], b[0], b[1]);
+                mma_m16n8k16<T>(acc[f][2 * dt + 1], p[f][kk], b[2], b[3]);
             }
         }
     }
@@ -372,40 +402,57 @@ template <typename T, int D> struct QueryTile {
     // row r0 of sq; sk the stage holding tile kt): s = value(q . kᵀ, f, r) entrywise for row
     // fragment f and accumulator element r, and `hidden` where the mask of a partial tile hides
     // the key.
-    template <class Value>
-    __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK_TILES][4], const T* sq, int r0, const T* sk,
+    template <int NT, class Value>
+    __device__ __forceinline__ void chunk_scores(float (&s)[MF][NT][4], const T* sq, int r0, const T* sk,
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
-        product_abt<T, D, D + AC::ROW_PAD, MF, CHUNK_TILES>(s, sq, r0, sk, c * KEY_CHUNK, a.d, lane);
+        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * NT * 8, lane);
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
-            for (int nt = 0; nt < CHUNK_TILES; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) s[f][nt][r] = value(s[f][nt][r], f, r);
         // Full tiles (most of them) skip the mask entirely: a separate, warp-uniform branch. Read
         // into a bit per entry first, the mask's index arithmetic is not live beside the scores.
         // (Folding the test into the loop above made the forward 45% slower on the H200.)
-        if (partial) {
-            static_assert(MF * CHUNK_TILES * 4 <= 32, "a bit per entry of the chunk");
+        if (partial && mask.generated()) {
             const int g = lane >> 2, t = lane & 3;
-            const int64_t j0 = kt * BK + c * KEY_CHUNK;
-            uint32_t keep = 0;
+            const int64_t j0 = kt * BK + c * NT * 8;
 #pragma unroll
             for (int f = 0; f < MF; ++f)
 #pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+                for (int half = 0; half < 2; ++half) {
+                    int lo, hi;
+                    mask.key_run(row0 + 16 * f + g + half * 8, j0, NT * 8, lo, hi);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = nt * 8 + 2 * t + e;
+                            if (col < lo || col > hi) s[f][nt][2 * half + e] = hidden;
+                        }
+                }
+        } else if (partial) {
+            using Bits = std::conditional_t<(MF * NT * 4 <= 32), uint32_t, uint64_t>;
+            const int g = lane >> 2, t = lane & 3;
+            const int64_t j0 = kt * BK + c * NT * 8;
+            Bits keep = 0;
+#pragma unroll
+            for (int f = 0; f < MF; ++f)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r)
                         if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
-                            keep |= 1u << (f * 16 + nt * 4 + r);
+                            keep |= Bits(1) << (f * NT * 4 + nt * 4 + r);
 #pragma unroll
             for (int f = 0; f < MF; ++f)
 #pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
+                        if (!(keep >> (f * NT * 4 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
         }
     }
 
@@ -418,15 +465,16 @@ template <typename T, int D> struct QueryTile {
     // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
     // tiles each) and calls chunk(kt, c, partial, k_tile, v_tile) for every chunk c of the tiles
     // this warp's rows need (partial: whether the mask must be read).
-    template <int S, class Chunk> __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
+    template <int S, int CHUNK, class Chunk>
+    __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
         constexpr int E = tile_elements<T, D>();
         auto step = [&](int64_t kt) { return next(kt); };
         auto load = [&](int64_t kt, int stage) { load_kv(kt, sk + stage * E, sv + stage * E); };
         auto work = [&](int64_t kt, int stage) {
             const uint8_t state = warp_state(kt);
             if (state == TILE_EMPTY) return;
-#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
-            for (int c = 0; c < BK / KEY_CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
+#pragma unroll(D > 64 ? 1 : BK / CHUNK)
+            for (int c = 0; c < BK / CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
         };
         pipeline<S>(next(-1), a.col_tiles, step, load, work);
     }
@@ -458,7 +506,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             row_sum[f][half] = 0.f;
         }
 
-    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
+    tile.template for_each_key_chunk<S, KEY_CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             float s[MF][CHUNK_TILES][4];
             tile.chunk_scores(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                               [&](float x, int, int) { return x * a.scale_log2; }, -INFINITY);
@@ -495,7 +543,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             uint32_t p[MF][CHUNK_STEPS][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK_STEPS>(p[f], s[f]);
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, v_tile, c * KEY_CHUNK, a.dv, lane);
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, v_tile, c * KEY_CHUNK, lane);
     });
 
 #pragma unroll
@@ -556,13 +604,13 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
     float acc[MF][D / 8][4];
     zero_fragments(acc);
 
-    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
+    tile.template for_each_key_chunk<S, KEY_CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
             float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
             tile.chunk_scores(
                 s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                 [&](float x, int f, int r) { return exp2f(fmaf(x, a.scale_log2, -row_lse[f][r >> 1])); }, 0.f);
-            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, v_tile, c * KEY_CHUNK, a.dv, lane);
+            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, v_tile, c * KEY_CHUNK, lane);
             uint32_t ds[MF][CHUNK_STEPS][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
@@ -575,7 +623,7 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
                     }
                 to_a_fragments<T, CHUNK_STEPS>(ds[f], s[f]);
             }
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, k_tile, c * KEY_CHUNK, a.d, lane);
+            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, k_tile, c * KEY_CHUNK, lane);
     });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
@@ -654,10 +702,23 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
             const int col0 = c * KEY_CHUNK + 2 * t;  // this lane's first query column in the item
             float st[1][CHUNK_TILES][4];              // Sᵀ: rows are keys, columns queries
             auto& s = st[0];
-            product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, a.d, lane);
+            product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
             per_column(s, s_lse + stage * BQ + col0,
                        [&](float x, float lse2, int, int) { return exp2f(fmaf(x, a.scale_log2, -lse2)); });
-            if (partial) {
+            if (partial && mask.generated()) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    int lo, hi;
+                    mask.query_run(key + half * 8, i0 + c * KEY_CHUNK, KEY_CHUNK, lo, hi);
+#pragma unroll
+                    for (int nt = 0; nt < CHUNK_TILES; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = nt * 8 + 2 * t + e;
+                            if (col < lo || col > hi) s[nt][2 * half + e] = 0.f;
+                        }
+                }
+            } else if (partial) {
 #pragma unroll
                 for (int nt = 0; nt < CHUNK_TILES; ++nt)
 #pragma unroll
@@ -667,17 +728,17 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
             if constexpr ((PARTS & 1) != 0) {
                 uint32_t p[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(p[0], s);
-                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, a.dv, lane);
+                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, lane);
             }
             if constexpr ((PARTS & 2) != 0) {
                 float dpt[1][CHUNK_TILES][4];
                 auto& dp = dpt[0];
-                product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, a.dv, lane);
+                product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
                 per_column(s, s_delta + stage * BQ + col0,
                            [&](float x, float delta_j, int nt, int r) { return x * (dp[nt][r] - delta_j); });
                 uint32_t ds[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
-                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, a.d, lane);
+                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, lane);
             }
         }
     };
