@@ -50,8 +50,9 @@ pub struct AttentionOptions {
 /// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
 ///   backward; tiles (128 queries x 64 keys on the CPU, 64 x 64 on CUDA) that the mask hides
 ///   entirely are skipped.
-/// * CUDA: f16 and bf16 on tensor cores (head dims padded to 64, 128 or 256), f32 in exact f32
-///   row kernels (correct, but far slower: use bf16 for speed).
+/// * CUDA: f16 and bf16 on tensor cores, f32 in exact f32 row kernels (correct, but far slower:
+///   use bf16 for speed). The tensor-core kernels are built for head dims 64, 128 and 256; a head
+///   dim in between runs in the next one up at its cost (d = 96 costs what d = 128 does).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
