@@ -1,22 +1,33 @@
 //! Dtype dispatch, written once for every op: a macro binds the typed slice of a storage to a
 //! name and expands the body once per supported float dtype.
 
+/// `match_variants!(Enum, value, [V1, V2, ..], |slice| body, pattern => fallback)`: a
+/// match that binds the payload of each listed variant to `slice` and expands `body` for each,
+/// then `fallback` for anything else. The dispatch macros below are written with it.
+macro_rules! match_variants {
+    ($enum:ident, $value:expr, [$($variant:ident),+], |$slice:ident| $body:expr,
+     $other:pat => $fallback:expr) => {{
+        match $value {
+            $($enum::$variant($slice) => $body,)+
+            $other => $fallback,
+        }
+    }};
+}
+pub(crate) use match_variants;
+
 /// `with_float_cpu!(op_name, storage, |slice| body)`: `slice` is the `&Vec<T>` (or `&mut Vec<T>`)
 /// of an f32, f16, bf16 or f64 [`candle_core::CpuStorage`]; other dtypes are an error naming the op.
 macro_rules! with_float_cpu {
     ($op:expr, $storage:expr, |$slice:ident| $body:expr) => {{
         use candle_core::CpuStorage as S;
-        match $storage {
-            S::F32($slice) => $body,
-            S::F16($slice) => $body,
-            S::BF16($slice) => $body,
-            S::F64($slice) => $body,
+        $crate::dispatch::match_variants!(
+            S, $storage, [F32, F16, BF16, F64], |$slice| $body,
             other => candle_core::bail!(
                 "{}: unsupported dtype {:?} (expected f32, f16, bf16 or f64)",
                 $op,
                 candle_core::backend::BackendStorage::dtype(other)
-            ),
-        }
+            )
+        )
     }};
 }
 pub(crate) use with_float_cpu;
@@ -44,15 +55,10 @@ pub(crate) use with_cpu_gemm_pair;
 macro_rules! with_float_cuda {
     ($op:expr, $slice_enum:expr, |$slice:ident| $body:expr) => {{
         use candle_core::cuda_backend::CudaStorageSlice as S;
-        match $slice_enum {
-            S::F32($slice) => $body,
-            S::F16($slice) => $body,
-            S::BF16($slice) => $body,
-            _ => candle_core::bail!(
-                "{}: unsupported dtype on CUDA (expected f32, f16 or bf16)",
-                $op
-            ),
-        }
+        $crate::dispatch::match_variants!(
+            S, $slice_enum, [F32, F16, BF16], |$slice| $body,
+            _ => candle_core::bail!("{}: unsupported dtype on CUDA (expected f32, f16 or bf16)", $op)
+        )
     }};
 }
 #[cfg(feature = "cuda")]

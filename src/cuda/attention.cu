@@ -179,15 +179,20 @@ __device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const T* tile, in
     ldmatrix_x4<true>(b, shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
 }
 
-// Sets every accumulator of MF x NT fragments to zero.
-template <int MF, int NT>
-__device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
+// Calls fn(f, nt, r) for every element r of every fragment (f, nt) of MF x NT accumulator fragments.
+template <int MF, int NT, class Fn> __device__ __forceinline__ void for_each_entry(Fn&& fn) {
 #pragma unroll
     for (int f = 0; f < MF; ++f)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[f][nt][r] = 0.f;
+            for (int r = 0; r < 4; ++r) fn(f, nt, r);
+}
+
+// Sets every accumulator of MF x NT fragments to zero.
+template <int MF, int NT>
+__device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
+    for_each_entry<MF, NT>([&](int f, int nt, int r) { acc[f][nt][r] = 0.f; });
 }
 
 // acc (16 MF x 8 NT) = rows r0.. (MF fragments of 16) of `a_tile` . rows n0.. (8 NT) of
@@ -438,21 +443,13 @@ template <typename T, int D> struct QueryTile {
             const int g = lane >> 2, t = lane & 3;
             const int64_t j0 = kt * BK + c * NT * 8;
             Bits keep = 0;
-#pragma unroll
-            for (int f = 0; f < MF; ++f)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
-                            keep |= Bits(1) << (f * NT * 4 + nt * 4 + r);
-#pragma unroll
-            for (int f = 0; f < MF; ++f)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        if (!(keep >> (f * NT * 4 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
+            for_each_entry<MF, NT>([&](int f, int nt, int r) {
+                if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
+                    keep |= Bits(1) << (f * NT * 4 + nt * 4 + r);
+            });
+            for_each_entry<MF, NT>([&](int f, int nt, int r) {
+                if (!(keep >> (f * NT * 4 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
+            });
         }
     }
 
@@ -822,10 +819,11 @@ template <typename T> struct QueryRow {
     }
 };
 
-template <typename T>
-__device__ __forceinline__ void forward_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                             T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
-                                             const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_fwd_rows_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                           float* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
+                           const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+    using T = float;
     const int lane = threadIdx.x & 31;
     const QueryRow<T> w(a, q, k, v, states, dense, ids);
     if (!w.valid) return;
@@ -847,12 +845,12 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ q, const T* _
     if (lane == 0) lse[row] = sum > 0.f ? (mx + log2f(sum)) * LN2 : -INFINITY;
 }
 
-template <typename T>
-__device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                        const T* __restrict__ grad_out, const T* __restrict__ out,
-                                        const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
-                                        const uint8_t* states, const uint8_t* dense, const int64_t* ids,
-                                        const AttentionArgs& a) {
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_dq_rows_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                          const float* __restrict__ grad_out, const float* __restrict__ out,
+                          const float* __restrict__ lse, float* __restrict__ delta, float* __restrict__ dq,
+                          const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+    using T = float;
     const int lane = threadIdx.x & 31;
     const QueryRow<T> w(a, q, k, v, states, dense, ids);
     if (!w.valid) return;
@@ -874,12 +872,12 @@ __device__ __forceinline__ void dq_rows(const T* __restrict__ q, const T* __rest
     store_row(dq + row * a.d, acc, a.scale, a.d, lane);
 }
 
-template <typename T>
-__device__ __forceinline__ void dkdv_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                          const T* __restrict__ grad_out, const float* __restrict__ lse,
-                                          const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                          const uint8_t* states, const uint8_t* dense, const int64_t* ids,
-                                          const AttentionArgs& a) {
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
+    attention_dkdv_rows_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                            const float* __restrict__ grad_out, const float*, const float* __restrict__ lse,
+                            const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
+                            const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+    using T = float;
     const int lane = threadIdx.x & 31;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
     if (row >= a.batch * a.kv_heads * a.n) return;
@@ -950,20 +948,3 @@ __device__ __forceinline__ void dkdv_rows(const T* __restrict__ q, const T* __re
 ATTENTION_TC_DIMS(__half, f16)
 ATTENTION_TC_DIMS(__nv_bfloat16, bf16)
 
-extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_fwd_rows_f32(const float* q, const float* k, const float* v, float* out, float* lse,
-                           const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
-    forward_rows<float>(q, k, v, out, lse, states, dense, ids, a);
-}
-extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dq_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float* out,
-                          const float* lse, float* delta, float* dq, const uint8_t* states, const uint8_t* dense,
-                          const int64_t* ids, AttentionArgs a) {
-    dq_rows<float>(q, k, v, grad_out, out, lse, delta, dq, states, dense, ids, a);
-}
-extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dkdv_rows_f32(const float* q, const float* k, const float* v, const float* grad_out, const float*,
-                            const float* lse, const float* delta, float* dk, float* dv, const uint8_t* states, const uint8_t* dense,
-                            const int64_t* ids, AttentionArgs a) {
-    dkdv_rows<float>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);
-}

@@ -158,6 +158,23 @@ template <typename T, int W> struct alignas(sizeof(T) * W) Unit {
 // Loads up to BATCH units along the cursor before any is used, so that many loads are in flight
 // per thread (a load consumed right away stalls the warp for the full memory latency). Returns
 // how many were loaded.
+// Writes units 0 .. n - 1 (n <= N) along the cursor from yg, unit k's element w being
+// value(k, w) rounded to T.
+template <int N, int W, typename T, class Value>
+__device__ __forceinline__ void store_units(T* yg, const ReduceLayout& L, Cursor cur, uint32_t step, int n,
+                                            Value&& value) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (k < n) {
+            Unit<T, W> out;
+#pragma unroll
+            for (int w = 0; w < W; ++w) out.v[w] = from_float<T>(value(k, w));
+            *reinterpret_cast<Unit<T, W>*>(yg + cur.offset) = out;
+            cur.advance(L, step);
+        }
+    }
+}
+
 template <int BATCH, typename T, int W>
 __device__ __forceinline__ int load_batch(const T* xg, const ReduceLayout& L, Cursor& cur, uint32_t j_end,
                                           uint32_t step, Unit<T, W> (&raw)[BATCH]) {
@@ -246,22 +263,13 @@ __device__ void softmax_dims(const T* __restrict__ x, T* __restrict__ y, float2*
     Cursor cur;
     cur.seek(L, first);
     while (cur.j < j_end) {
-        Cursor store = cur;
+        const Cursor store = cur;
         U batch[BATCH];
         const int n = load_batch<BATCH>(xg, L, cur, j_end, step, batch);
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            if (k < n) {
-                U out;
-#pragma unroll
-                for (int w = 0; w < W; ++w) {
-                    const int a = LANES ? w : 0;
-                    out.v[w] = from_float<T>(normalise<LOG>(to_float(batch[k].v[w]), acc[a], inv_s[a], log_s[a]));
-                }
-                *reinterpret_cast<U*>(yg + store.offset) = out;
-                store.advance(L, step);
-            }
-        }
+        store_units<BATCH, W>(yg, L, store, step, n, [&](int k, int w) {
+            const int a = LANES ? w : 0;
+            return normalise<LOG>(to_float(batch[k].v[w]), acc[a], inv_s[a], log_s[a]);
+        });
     }
 }
 
@@ -342,32 +350,18 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
             const float log_s = __logf(acc.s);
             Cursor cur;
             cur.seek(L, threadIdx.y);
-#pragma unroll
-            for (int k = 0; k < UNITS; ++k) {
-                if (k < n) {
-                    U out;
-#pragma unroll
-                    for (int w = 0; w < W; ++w) {
-                        const float v = to_float(raw[k].v[w]);
-                        float o;
-                        if (isnan(acc.m)) {
-                            o = CUDART_NAN_F;
-                        } else if constexpr (LOG) {
-                            // (x - m) first: exact for nearby values, so large x lose nothing.
-                            o = acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
-                        } else if (masked) {
-                            o = 0.f;  // (e was not computed)
-                        } else if constexpr (KEEP_EXP) {
-                            o = e[k * W + w] * scale;
-                        } else {
-                            o = __expf(v - local_m) * scale;
-                        }
-                        out.v[w] = from_float<T>(o);
-                    }
-                    *reinterpret_cast<U*>(y + base + cur.offset) = out;
-                    cur.advance(L, step);
+            store_units<UNITS, W>(y + base, L, cur, step, n, [&](int k, int w) {
+                const float v = to_float(raw[k].v[w]);
+                if (isnan(acc.m)) return CUDART_NAN_F;
+                if constexpr (LOG) {
+                    // (x - m) first: exact for nearby values, so large x lose nothing.
+                    return acc.m == -CUDART_INF_F ? -CUDART_INF_F : (v - acc.m) - log_s;
+                } else {
+                    if (masked) return 0.f;  // (e was not computed)
+                    if constexpr (KEEP_EXP) return e[k * W + w] * scale;
+                    return __expf(v - local_m) * scale;
                 }
-            }
+            });
         }
         if constexpr (PREFETCH) {
 #pragma unroll
