@@ -392,11 +392,13 @@ fn feature_transformer_trains_like_a_layer() -> Result<()> {
         let varmap = candle_nn::VarMap::new();
         let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, dev);
         let ft = FeatureTransformer::new(400, 32, vb.pp("ft"))?;
-        let bound = (1.0f64 / 400.0).sqrt();
+        // The f32 weights are uniform in [-b, b) for b = sqrt(1/n) rounded to f32, which lies just
+        // above sqrt(1/n): -b itself is drawn with probability 2^-23 a weight.
+        let bound = f64::from((1.0f64 / 400.0).sqrt() as f32);
         let w = to_f64(ft.weight())?;
         assert!(
             w.iter().all(|x| x.abs() <= bound),
-            "init outside ±sqrt(1/n)"
+            "init outside ±sqrt(1/n) (as f32)"
         );
         assert!(w.iter().any(|&x| x != 0.0), "init is all zero");
         assert_eq!(varmap.all_vars().len(), 2);
