@@ -1034,6 +1034,28 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 "- (the composite's backward does not fit)",
             )?;
         }
+        if gpu {
+            // The default backward (dq added with atomics in the dk / dv pass) against the
+            // deterministic one (a dq pass of its own).
+            let deterministic = candle_fastops::AttentionOptions {
+                scale: Some(scale),
+                deterministic: Some(true),
+                ..Default::default()
+            };
+            b.compare(
+                OP,
+                &format!("{case} fwd+bwd vs deterministic"),
+                dtype,
+                Work::Flops(3.5 * flops),
+                ours,
+                "deterministic backward",
+                || {
+                    candle_fastops::masked_attention_with(&qv, &kv, &vv, &mask, &deterministic)?
+                        .backward()
+                        .map(drop)
+                },
+            )?;
+        }
     }
     b.iterations = None;
     Ok(())

@@ -34,8 +34,14 @@ pub(crate) use with_float_cpu;
 
 /// `with_cpu_gemm_pair!(op_name, a, b, |a, b| body)`: `a` and `b` are the `&Vec<T>` of two f32
 /// or two f64 [`candle_core::CpuStorage`]s (the dtypes the CPU matrix products run in: the
-/// public wrappers widen f16 / bf16 to f32 first); anything else is an internal error.
+/// public wrappers widen f16 / bf16 to f32 first); anything else is an internal error. With
+/// `storage(|a, b| body)`, `body` is a `Vec<T>` returned as the `CpuStorage` of its type.
 macro_rules! with_cpu_gemm_pair {
+    ($op:expr, $a_storage:expr, $b_storage:expr, storage(|$a:ident, $b:ident| $body:expr)) => {
+        $crate::dispatch::with_cpu_gemm_pair!($op, $a_storage, $b_storage, |$a, $b| {
+            candle_core::WithDType::to_cpu_storage_owned($body)
+        })
+    };
     ($op:expr, $a_storage:expr, $b_storage:expr, |$a:ident, $b:ident| $body:expr) => {{
         use candle_core::CpuStorage as S;
         match ($a_storage, $b_storage) {

@@ -83,7 +83,7 @@ template <typename T> static const char* dtype_name() {
     else return "bf16";
 }
 
-template <typename T> static int run_case(const Case& c, uint64_t seed) {
+template <typename T> static int run_case(const Case& c, uint64_t seed, bool fused = false) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
     const int64_t pd = (c.d + 7) / 8 * 8, pdv = (c.dv + 7) / 8 * 8;  // the host pads to 8
@@ -205,31 +205,48 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
         auto f = [](auto& x) { return reinterpret_cast<float*>(x.data()); };
         auto cf = [](const auto& x) { return reinterpret_cast<const float*>(x.data()); };
         launch(blocks((c.b * c.h * c.m + w - 1) / w), w * 32, 0, [&] {
-            attention_dq_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dq), st, de, id, a);
+            attention_dq_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dq), nullptr, nullptr,
+                                  nullptr, st, de, id, a);
         });
         launch(blocks((c.b * c.hk * c.n + w - 1) / w), w * 32, 0, [&] {
-            attention_dkdv_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dk), f(dvv), st, de,
-                                    id, a);
+            attention_dkdv_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), nullptr, f(dk),
+                                    f(dvv), nullptr, st, de, id, a);
         });
     } else {
         const size_t dq_smem = (2 * qtiles + 2 * dq_stages) * tile,
                      dkdv_smem = (2 + 2 * dkdv_stages) * tile + 2 * dkdv_stages * 64 * 4;
         const Dim3 dkdv_grid{static_cast<uint32_t>(c.b * c.hk * ct), D > 128 ? 2u : 1u, 1};
+        // The fused backward (D <= 128): delta, then dk / dv with dq added into an f32 buffer
+        // (scaled in the kernel), rounded to T as the host's cast does.
+        std::vector<float> dq_accum(q.size(), 0.f);
+#define FUSED_BWD(DD, S)                                                                                           \
+    do {                                                                                                            \
+        launch(blocks((c.b * c.h * c.m + C::ROW_WARPS - 1) / C::ROW_WARPS), C::ROW_WARPS * 32, 0, [&] {           \
+            attention_delta_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),       \
+                                nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de, id, a);                    \
+        });                                                                                                         \
+        launch(dkdv_grid, 128, dkdv_smem + 64 * (64 + C::ROW_PAD) * sizeof(T), [&] {                                \
+            attention_dkdvdq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),          \
+                                         delta.data(), nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de,     \
+                                         id, a);                                                                    \
+        });                                                                                                         \
+        for (size_t i = 0; i < dq.size(); ++i) dq[i] = Host<T>::from(dq_accum[i]);                                \
+    } while (0)
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \
         launch(blocks(query_blocks), 128, dq_smem, [&] {                                                          \
             attention_dq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),    \
-                                     dq.data(), st, de, id, a);                                                     \
+                                     dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                     \
         });                                                                                                         \
         launch(dkdv_grid, 128, dkdv_smem, [&] {                                                                     \
             attention_dkdv_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(), \
-                                       dk.data(), dvv.data(), st, de, id, a);                                       \
+                                       dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                   \
         });                                                                                                         \
     } while (0)
         if constexpr (std::is_same_v<T, __half>) {
-            if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
+            if (fused) { if (D == 64) FUSED_BWD(64, f16); else FUSED_BWD(128, f16); } else if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
         } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-            if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
+            if (fused) { if (D == 64) FUSED_BWD(64, bf16); else FUSED_BWD(128, bf16); } else if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
         }
     }
     // The dq pass's delta against rowsum(dO * O) of the rounded output.
@@ -307,7 +324,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed) {
         std::printf("  %-5s %-4s %s worst %.2e at %zu (got %g, want %g)\n", ok ? "ok" : "FAIL", dtype_name<T>(), what,
                     worst, at, got(at), want[at]);
     };
-    std::printf("%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), (long long)c.b,
+    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), fused ? " (fused dq)" : "", (long long)c.b,
                 (long long)c.h, (long long)c.hk, (long long)c.m, (long long)c.n, (long long)c.d, (long long)c.dv,
                 (long long)(rows ? 0 : D));
     compare("out", [&](size_t i) { return Host<T>::to(out[i]); }, r_out, tol_out);
@@ -339,6 +356,10 @@ int main(int argc, char** argv) {
         failures += run_case<__nv_bfloat16>(c, seed++);
         failures += run_case<__half>(c, seed++);
         failures += run_case<float>(c, seed++);
+        if (c.d <= 128 && c.dv <= 128) {
+            failures += run_case<__nv_bfloat16>(c, seed++, true);
+            failures += run_case<__half>(c, seed++, true);
+        }
     }
     std::printf("%s: %d failing checks\n", failures ? "FAILED" : "all ok", failures);
     return failures ? 1 : 0;

@@ -80,6 +80,12 @@ inline uint16_t float_to_bf16(float f) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+// Threads switch only at barriers and warp exchanges, so a plain read-modify-write is atomic.
+inline float atomicAdd(float* p, float v) {
+    const float old = *p;
+    *p = old + v;
+    return old;
+}
 
 inline float __shfl_xor_sync(unsigned, float v, int x) {
     auto& w = emu::warp();
@@ -102,6 +108,8 @@ inline unsigned __ballot_sync(unsigned, bool pred) {
     w.bar.arrive_and_wait();
     return r;
 }
+
+inline int __any_sync(unsigned mask, bool pred) { return __ballot_sync(mask, pred) != 0; }
 
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 

@@ -33,5 +33,5 @@ print("\n".join(out))
 PY
 sed 's/extern __shared__ uint4 shared_raw\[\];/uint4* shared_raw = reinterpret_cast<uint4*>(emu::smem);/' \
     "${KERNEL:-$root/src/cuda/attention.cu}" > "$work/attention_kernels.inc"
-g++ -std=c++20 -O2 -pthread -w ${EMU_FLAGS:-} -I"$here" -I"$work" "$here/attention_emu.cpp" -o "$work/attention_emu"
+g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -w ${EMU_FLAGS:-} -I"$here" -I"$work" "$here/attention_emu.cpp" -o "$work/attention_emu"
 "$work/attention_emu" "$@"

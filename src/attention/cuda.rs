@@ -78,6 +78,18 @@ pub(super) fn operand_ok(layout: &Layout, dtype: DType) -> bool {
         && (0..3).all(|i| dims[i] <= 1 || aligned(strides[i]))
 }
 
+/// `t` as the kernels take it ([`operand_ok`]): itself, a contiguous copy, or (contiguous but
+/// starting off a 16-byte boundary) a fresh copy. Candle ops, so gradients flow through them.
+pub(super) fn kernel_operand(t: Tensor) -> Result<Tensor> {
+    if operand_ok(t.layout(), t.dtype()) {
+        Ok(t)
+    } else if !t.is_contiguous() {
+        t.contiguous()
+    } else {
+        t.affine(1.0, 0.0)
+    }
+}
+
 /// The mask's data on the device, with the kernels' mask arguments.
 pub(super) struct DeviceMask {
     args: MaskArgs,
@@ -237,8 +249,12 @@ enum Path {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Pass {
     Forward,
+    /// The deterministic backward: dq (and delta), then dk / dv.
     Dq,
     Dkdv,
+    /// The fused backward: delta, then dk / dv / dq (dq added into an f32 buffer).
+    Delta,
+    DkdvDq,
 }
 
 impl Path {
@@ -259,10 +275,13 @@ impl Path {
             Pass::Forward => "attention_fwd",
             Pass::Dq => "attention_dq",
             Pass::Dkdv => "attention_dkdv",
+            Pass::Delta => "attention_delta",
+            Pass::DkdvDq => "attention_dkdvdq",
         };
-        let tile = match self {
-            Path::TensorCores { head_tile } => format!("d{head_tile}"),
-            Path::Rows => "rows".to_string(),
+        let tile = match (self, pass) {
+            (_, Pass::Delta) => String::new(),
+            (Path::TensorCores { head_tile }, _) => format!("d{head_tile}"),
+            (Path::Rows, _) => "rows".to_string(),
         };
         let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &[stem, &tile])?;
         let shared = self.shared_bytes(pass, T::DTYPE.size_in_bytes());
@@ -284,7 +303,7 @@ impl Path {
     /// Dynamic shared memory of a pass (mirrors the tile layout and `stages` of the kernels):
     /// 64-row tiles of `head_tile + ROW_PAD` elements; the resident operands (`query_tiles` tiles
     /// of q, and of dO for dq; one of k and v for dk / dv) and one or two stages of the streamed
-    /// ones.
+    /// ones; the fused pass adds a dSᵀ tile of `TILE_K x (TILE_Q + ROW_PAD)`.
     fn shared_bytes(self, pass: Pass, elem: usize) -> usize {
         let Path::TensorCores { head_tile } = self else {
             return 0;
@@ -297,18 +316,23 @@ impl Path {
             Pass::Forward => (query_tiles + 2 * stages) * tile,
             Pass::Dq => (2 * query_tiles + 2 * stages) * tile,
             Pass::Dkdv => (2 + 2 * stages) * tile + 2 * stages * TILE_Q * 4,
+            Pass::DkdvDq => {
+                Path::shared_bytes(self, Pass::Dkdv, elem) + TILE_K * (TILE_Q + C::ROW_PAD) * elem
+            }
+            Pass::Delta => 0,
         }
     }
 
     fn config(self, p: &Problem, pass: Pass, elem: usize) -> LaunchConfig {
         let shared_mem_bytes = self.shared_bytes(pass, elem) as u32;
-        match self {
-            Path::TensorCores { head_tile } => {
+        match (self, pass) {
+            (
+                Path::TensorCores { head_tile },
+                Pass::Forward | Pass::Dq | Pass::Dkdv | Pass::DkdvDq,
+            ) => {
                 let blocks = match pass {
-                    Pass::Forward | Pass::Dq => {
-                        p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(self.query_tiles())
-                    }
-                    Pass::Dkdv => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
+                    Pass::Dkdv | Pass::DkdvDq => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
+                    _ => p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(self.query_tiles()),
                 };
                 let slices = if pass == Pass::Dkdv && head_tile > 128 {
                     2
@@ -321,10 +345,10 @@ impl Path {
                     shared_mem_bytes,
                 }
             }
-            Path::Rows => {
+            _ => {
                 let rows = match pass {
-                    Pass::Forward | Pass::Dq => p.batch * p.heads * p.m,
-                    Pass::Dkdv => p.batch * p.kv_heads * p.n,
+                    Pass::Dkdv | Pass::DkdvDq => p.batch * p.kv_heads * p.n,
+                    _ => p.batch * p.heads * p.m,
                 };
                 LaunchConfig {
                     grid_dim: (rows.div_ceil(ROW_WARPS) as u32, 1, 1),
@@ -434,12 +458,20 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let candle_core::Device::Cuda(dev) = q.device() else {
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");
     };
-    let dq = alloc_output::<T>(dev, q.elem_count())?;
+    let path = Path::of(p, T::DTYPE);
+    let fused =
+        !p.deterministic && matches!(path, Path::TensorCores { head_tile } if head_tile <= 128);
+    // The fused pass adds scale * dS K into dq_accum (f32 [b, h, m, d], zeroed); the
+    // deterministic dq pass writes dq itself.
+    let (dq, dq_accum) = if fused {
+        (None, Some(dev.alloc_zeros::<f32>(q.elem_count())?))
+    } else {
+        (Some(alloc_output::<T>(dev, q.elem_count())?), None)
+    };
     let dk = alloc_output::<T>(dev, k.elem_count())?;
     let dv = alloc_output::<T>(dev, v.elem_count())?;
-    // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq pass, read by the dk / dv pass.
+    // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
-    let path = Path::of(p, T::DTYPE);
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let (hq, hk, hv) = (Held::new(q), Held::new(k), Held::new(v));
     let (ho, hg, hl) = (Held::new(out), Held::new(grad_out), Held::new(lse));
@@ -454,35 +486,53 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let held = hold_all(mask);
     let views = mask_views(&held)?;
     let elem = T::DTYPE.size_in_bytes();
-    // The two passes share their arguments: q, k, v, grad_out, out, lse, delta, then their
-    // outputs, then the mask's buffers and the arguments.
-    let run = |pass: Pass, outputs: &[&CudaSlice<T>]| -> Result<()> {
+    let null = 0u64;
+    // Every backward pass takes one argument list (BACKWARD_PARAMS of the kernels): q, k, v,
+    // grad_out, out, lse, delta, dq, dk, dv, dq_accum, the mask's buffers and the arguments; a
+    // buffer this mode lacks is a null pointer, which no pass of the mode touches.
+    let run = |pass: Pass| -> Result<()> {
         let kernel = path.kernel::<T>(dev, pass)?;
-        // SAFETY: the arguments match `attention_dq_*(q, k, v, grad_out, out, lse, delta, dq,
-        // states, dense, ids, args)` and `attention_dkdv_*(..., delta, dk, dv, states, ...)`.
-        // Reads are as in the forward plus rows below m of grad_out, out and lse (contiguous, rows
-        // 16-byte aligned as `operand_ok` checked); dq writes rows below m of delta
-        // ([b, h, m], before dkdv reads them on the same stream) and of dq ([b, h, m, d]), dkdv
-        // rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]), all contiguous.
+        // SAFETY: the arguments match BACKWARD_PARAMS. Reads are as in the forward plus rows
+        // below m of grad_out, out and lse (contiguous, rows 16-byte aligned as `operand_ok`
+        // checked). dq and delta write rows below m of delta ([b, h, m], before dk / dv read
+        // them on the same stream); dq writes rows below m of dq ([b, h, m, d]); dkdv and
+        // dkdvdq rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]); dkdvdq adds into
+        // rows below m, columns below d, of dq_accum ([b, h, m, d]); all contiguous.
         unsafe {
             kernel.launch(path.config(p, pass, elem), |a_| {
                 for x in [&qv, &kv, &vv, &gv, &ov] {
                     a_.arg(x);
                 }
                 a_.arg(&lv).arg(&delta);
-                for out in outputs {
-                    a_.arg(*out);
-                }
+                match &dq {
+                    Some(dq) => a_.arg(dq),
+                    None => a_.arg(&null),
+                };
+                a_.arg(&dk).arg(&dv);
+                match &dq_accum {
+                    Some(acc) => a_.arg(acc),
+                    None => a_.arg(&null),
+                };
                 views.push(a_);
                 a_.arg(&a);
             })
         }
     };
-    if p.batch * p.heads * p.m > 0 {
-        run(Pass::Dq, &[&dq])?;
-    }
-    if p.batch * p.kv_heads * p.n > 0 {
-        run(Pass::Dkdv, &[&dk, &dv])?;
+    let (queries, keys) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
+    if fused {
+        if queries > 0 && keys > 0 {
+            run(Pass::Delta)?;
+        }
+        if keys > 0 {
+            run(Pass::DkdvDq)?;
+        }
+    } else {
+        if queries > 0 {
+            run(Pass::Dq)?;
+        }
+        if keys > 0 {
+            run(Pass::Dkdv)?;
+        }
     }
     let wrap = |s: CudaSlice<T>, like: &Tensor| {
         Tensor::from_storage(
@@ -492,5 +542,16 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             false,
         )
     };
-    Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)))
+    let dq = match (dq, dq_accum) {
+        (Some(dq), _) => wrap(dq, q),
+        (None, Some(acc)) => Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
+            q.dims(),
+            BackpropOp::none(),
+            false,
+        )
+        .to_dtype(T::DTYPE)?,
+        (None, None) => bail!("{OP}: internal error, the backward has no dq"),
+    };
+    Ok((dq, wrap(dk, k), wrap(dv, v)))
 }

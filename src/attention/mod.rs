@@ -30,9 +30,12 @@ pub struct AttentionOptions {
     /// the CUDA kernels compute f32 with exact f32 multiply-adds (the accurate end of every
     /// mode), so no mode changes the result today; f64 is computed in f64 on the CPU.
     pub f32_mode: Option<crate::F32Matmul>,
-    /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). Both the CPU and the CUDA
-    /// backward are deterministic in every mode (the CUDA backward sums each gradient in one
-    /// block, in a fixed order, without atomics).
+    /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). The CPU backward is
+    /// deterministic in every mode. On CUDA, f16 / bf16 with head dims up to 128 otherwise add
+    /// each key tile's share of dq with float atomics (one fused dk / dv / dq pass: five tile
+    /// products where the deterministic backward's two passes take seven); deterministic, dq
+    /// gets its own pass that sums each gradient in one block in a fixed order (the f32 and
+    /// head-dim-256 kernels always do).
     pub deterministic: Option<bool>,
 }
 
@@ -116,6 +119,8 @@ pub(crate) struct Problem {
     pub d: usize,
     pub dv: usize,
     pub scale: f64,
+    /// Whether the backward must give identical bits run to run.
+    pub deterministic: bool,
 }
 
 /// The forward's log-sum-exp `[b, h, m]` (f64 on the CPU, f32 on a GPU), kept for the backward
@@ -149,19 +154,11 @@ fn cuda_attention(
 ) -> Result<(Tensor, SavedLse)> {
     let (d, dv) = (p.d.next_multiple_of(8), p.dv.next_multiple_of(8));
     let operand = |t: &Tensor, dim: usize| -> Result<Tensor> {
-        let t = if t.dim(3)? == dim {
+        cuda::kernel_operand(if t.dim(3)? == dim {
             t.clone()
         } else {
             t.pad_with_zeros(3, 0, dim - t.dim(3)?)?
-        };
-        if cuda::operand_ok(t.layout(), t.dtype()) {
-            Ok(t)
-        } else if !t.is_contiguous() {
-            t.contiguous()
-        } else {
-            // Contiguous but starting off a 16-byte boundary: a fresh copy.
-            t.affine(1.0, 0.0)
-        }
+        })
     };
     let (q2, k2, v2) = (operand(q, d)?, operand(k, d)?, operand(v, dv)?);
     let saved = SavedLse::default();
@@ -252,6 +249,7 @@ fn problem(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Re
         d,
         dv,
         scale,
+        deterministic: options.deterministic.unwrap_or_else(crate::deterministic),
     })
 }
 
@@ -396,14 +394,7 @@ impl Attention {
         &self, (q, k, v): (&Tensor, &Tensor, &Tensor), out: &Tensor, grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         // Contiguous, with 16-byte aligned rows (a copy otherwise).
-        let aligned = |t: &Tensor| -> Result<Tensor> {
-            let t = t.contiguous()?;
-            if cuda::operand_ok(t.layout(), t.dtype()) {
-                Ok(t)
-            } else {
-                t.affine(1.0, 0.0)
-            }
-        };
+        let aligned = |t: &Tensor| cuda::kernel_operand(t.contiguous()?);
         let (out, go) = (aligned(out)?, aligned(grad_out)?);
         let lse = self.saved_lse()?;
         let mask = cuda::DeviceMask::new(&self.mask, &self.p, q.device())?;

@@ -10,11 +10,11 @@
 // 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
 // their products (as FlashAttention does); everything else stays f32.
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
-// The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
-// the query tiles of every query head of its group): no atomics, identical bits run to run.
+// The deterministic backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per
+// key tile, over the query tiles of every query head of its group): no atomics, identical bits run
+// to run. The fused backward (D <= 128) computes delta in a row kernel, then dk / dv with each key
+// tile's share of dq added into an f32 buffer with atomics: five tile products instead of seven.
 #include "common.cuh"
-
-#include <type_traits>
 
 using namespace fastops;
 namespace AC = fastops_constants::attention;
@@ -135,6 +135,36 @@ struct MaskView {
     }
 };
 
+// The backward kernels' operands, in the order of their one argument list. dq_accum (f32
+// [b, h, m, d], zeroed by the host) takes the fused pass's dq; a pass leaves alone what it does not
+// write (dq_tc writes delta and dq, dkdv_tc dk, dv and, fused, dq_accum).
+template <typename T> struct BackwardOperands {
+    const T* q;
+    const T* k;
+    const T* v;
+    const T* grad_out;
+    const T* out;
+    const float* lse;
+    float* delta;
+    T* dq;
+    T* dk;
+    T* dv;
+    float* dq_accum;
+    const uint8_t* states;
+    const uint8_t* dense;
+    const int64_t* ids;
+};
+
+// *p += x, p[1] += y, atomically (one 8-byte reduction from sm_90; p 8-byte aligned).
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
 // The natural log-sum-exp of a row as the backward uses it: in log2 units, +inf for a row that
 // sees no key (or lies past m), so that exp2(x - it) is 0.
 __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool valid) {
@@ -164,6 +194,12 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
 template <typename T, int LD>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
     ldmatrix_x4<false>(a, shared_address(tile + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
+}
+
+// The same fragment from a shared tile stored [k][row] (columns r0.., rows k0..).
+template <typename T, int LD>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+    ldmatrix_x4<true>(a, shared_address(tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LD + r0 + ((lane >> 3) & 1) * 8));
 }
 
 // B fragments of two 8-column tiles (n0 and n0 + 8; b[0..1] and b[2..3]), k from k0, of a shared
@@ -199,8 +235,7 @@ __device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
 // `b_tile`ᵀ, over all K columns. Each B fragment serves all MF row fragments. Both tiles come from
 // load_tile, which zero-fills the columns past the operands' own (d or dv below K), so those add
 // exact zeros: a head dim below the kernel's K costs K's time. The loop has no per-step bound
-// test: with one, ptxas could not issue the next step's ldmatrix before this step's mma (20%
-// of the forward's time on the H200).
+// test, so that ptxas can issue the next step's ldmatrix before this step's mma.
 template <typename T, int K, int LD, int MF, int NT>
 __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
                                             int lane) {
@@ -351,10 +386,20 @@ __device__ __forceinline__ int64_t next_live(int64_t item, int64_t end, Live&& l
     return end;
 }
 
+// How far (log2 units) a score may pass its row's exponent reference in the forward before the
+// reference moves: probabilities stay below 2^RESCALE_SLACK before normalisation (exact in f32;
+// 16-bit P keeps its relative precision), and o is rescaled only when a reference moves.
+#ifndef FASTOPS_RESCALE_SLACK
+#define FASTOPS_RESCALE_SLACK 8.0f
+#endif
+constexpr float RESCALE_SLACK = FASTOPS_RESCALE_SLACK;
+
 // Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
 // 16 MF x KEY_CHUNK.
 constexpr int KEY_CHUNK = 32;
 constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
+// Row stride (elements) of the fused dk / dv / dq pass's shared dSᵀ tile of BK keys x BQ queries.
+constexpr int DS_LD = BQ + AC::ROW_PAD;
 
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
@@ -407,11 +452,12 @@ template <typename T, int D> struct QueryTile {
     // row r0 of sq; sk the stage holding tile kt): s = value(q . kᵀ, f, r) entrywise for row
     // fragment f and accumulator element r, and `hidden` where the mask of a partial tile hides
     // the key.
-    template <int NT, class Value>
-    __device__ __forceinline__ void chunk_scores(float (&s)[MF][NT][4], const T* sq, int r0, const T* sk,
+    template <class Value>
+    __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK_TILES][4], const T* sq, int r0, const T* sk,
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
-        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * NT * 8, lane);
+        constexpr int NT = CHUNK_TILES;
+        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * KEY_CHUNK, lane);
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
@@ -420,16 +466,15 @@ template <typename T, int D> struct QueryTile {
                 for (int r = 0; r < 4; ++r) s[f][nt][r] = value(s[f][nt][r], f, r);
         // Full tiles (most of them) skip the mask entirely: a separate, warp-uniform branch. Read
         // into a bit per entry first, the mask's index arithmetic is not live beside the scores.
-        // (Folding the test into the loop above made the forward 45% slower on the H200.)
         if (partial && mask.generated()) {
             const int g = lane >> 2, t = lane & 3;
-            const int64_t j0 = kt * BK + c * NT * 8;
+            const int64_t j0 = kt * BK + c * KEY_CHUNK;
 #pragma unroll
             for (int f = 0; f < MF; ++f)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     int lo, hi;
-                    mask.key_run(row0 + 16 * f + g + half * 8, j0, NT * 8, lo, hi);
+                    mask.key_run(row0 + 16 * f + g + half * 8, j0, KEY_CHUNK, lo, hi);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -439,13 +484,13 @@ template <typename T, int D> struct QueryTile {
                         }
                 }
         } else if (partial) {
-            using Bits = std::conditional_t<(MF * NT * 4 <= 32), uint32_t, uint64_t>;
+            static_assert(MF * NT * 4 <= 32, "a bit per score of the chunk in one word");
             const int g = lane >> 2, t = lane & 3;
-            const int64_t j0 = kt * BK + c * NT * 8;
-            Bits keep = 0;
+            const int64_t j0 = kt * BK + c * KEY_CHUNK;
+            uint32_t keep = 0;
             for_each_entry<MF, NT>([&](int f, int nt, int r) {
                 if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
-                    keep |= Bits(1) << (f * NT * 4 + nt * 4 + r);
+                    keep |= 1u << (f * NT * 4 + nt * 4 + r);
             });
             for_each_entry<MF, NT>([&](int f, int nt, int r) {
                 if (!(keep >> (f * NT * 4 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
@@ -462,7 +507,7 @@ template <typename T, int D> struct QueryTile {
     // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
     // tiles each) and calls chunk(kt, c, partial, k_tile, v_tile) for every chunk c of the tiles
     // this warp's rows need (partial: whether the mask must be read).
-    template <int S, int CHUNK, class Chunk>
+    template <int S, class Chunk>
     __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
         constexpr int E = tile_elements<T, D>();
         auto step = [&](int64_t kt) { return next(kt); };
@@ -470,8 +515,8 @@ template <typename T, int D> struct QueryTile {
         auto work = [&](int64_t kt, int stage) {
             const uint8_t state = warp_state(kt);
             if (state == TILE_EMPTY) return;
-#pragma unroll(D > 64 ? 1 : BK / CHUNK)
-            for (int c = 0; c < BK / CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
+#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
+            for (int c = 0; c < BK / KEY_CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
         };
         pipeline<S>(next(-1), a.col_tiles, step, load, work);
     }
@@ -503,11 +548,14 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             row_sum[f][half] = 0.f;
         }
 
-    tile.template for_each_key_chunk<S, KEY_CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
+    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             float s[MF][CHUNK_TILES][4];
             tile.chunk_scores(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                               [&](float x, int, int) { return x * a.scale_log2; }, -INFINITY);
+            // The reference of a row's exponents (row_max) moves only when a score passes it by
+            // more than RESCALE_SLACK, so most chunks leave o unscaled (one warp-uniform test).
             float alpha[MF][2];
+            bool moved = false;
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
                 float tile_max[2] = {-INFINITY, -INFINITY};
@@ -518,9 +566,11 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                 float base[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const float new_max = fmaxf(row_max[f][half], quad_max(tile_max[half]));
+                    const float seen = quad_max(tile_max[half]), old_max = row_max[f][half];
+                    const float new_max = seen > old_max + RESCALE_SLACK ? seen : old_max;
                     base[half] = new_max == -INFINITY ? 0.f : new_max;
-                    alpha[f][half] = exp2f(row_max[f][half] - base[half]);
+                    alpha[f][half] = exp2f(old_max - base[half]);
+                    moved |= new_max != old_max;
                     row_max[f][half] = new_max;
                     row_sum[f][half] *= alpha[f][half];
                 }
@@ -532,10 +582,14 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                         s[f][nt][r] = p;
                         row_sum[f][r >> 1] += p;
                     }
+            }
+            if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt)
+                for (int f = 0; f < MF; ++f)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) o[f][nt][r] *= alpha[f][r >> 1];
+                    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) o[f][nt][r] *= alpha[f][r >> 1];
             }
             uint32_t p[MF][CHUNK_STEPS][4];
 #pragma unroll
@@ -560,11 +614,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 // dq = scale * sum over keys of dS K, dS = P * (dO Vᵀ - delta), per query tile; delta = rowsum(dO * O)
 // (in f32 from the operand type), which the dk / dv pass reads, is written here.
 template <typename T, int D>
-__device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                      const T* __restrict__ grad_out, const T* __restrict__ out,
-                                      const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
-                                      const uint8_t* states, const uint8_t* dense, const int64_t* ids,
-                                      const AttentionArgs& a) {
+__device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
     constexpr int MF = query_tiles<D>();
     extern __shared__ uint4 shared_raw[];
@@ -573,10 +623,10 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
     T* sk = sq + 2 * MF * E;                    // S stages
     T* sv = sq + (2 * MF + S) * E;              // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
+    const QueryTile<T, D> tile(a, ops.q, ops.k, ops.v, ops.states, ops.dense, ops.ids);
     const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
     load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
-    load_tile<T, D, 64 * MF>(sdo, grad_out + (bh * a.m + tile.i0) * a.dv, a.dv, tile.rows, a.dv);
+    load_tile<T, D, 64 * MF>(sdo, ops.grad_out + (bh * a.m + tile.i0) * a.dv, a.dv, tile.rows, a.dv);
 
     float row_lse[MF][2], row_delta[MF][2];
 #pragma unroll
@@ -584,24 +634,24 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int64_t row = row0 + 16 * f + g + half * 8;
-            row_lse[f][half] = lse_log2(lse, bh * a.m + row, row < a.m);
+            row_lse[f][half] = lse_log2(ops.lse, bh * a.m + row, row < a.m);
             // The four lanes of a quad share the row: lane t takes columns 8 t.. of every 32.
             float sum = 0.f;
             if (row < a.m) {
-                const T* o_row = out + (bh * a.m + row) * a.dv;
-                const T* g_row = grad_out + (bh * a.m + row) * a.dv;
+                const T* o_row = ops.out + (bh * a.m + row) * a.dv;
+                const T* g_row = ops.grad_out + (bh * a.m + row) * a.dv;
                 for (int64_t col = 8 * t; col < a.dv; col += 32)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_row[col + e]), to_float(g_row[col + e]), sum);
             }
             sum = quad_sum(sum);
             row_delta[f][half] = sum;
-            if (t == 0 && row < a.m) delta[bh * a.m + row] = sum;
+            if (t == 0 && row < a.m) ops.delta[bh * a.m + row] = sum;
         }
     float acc[MF][D / 8][4];
     zero_fragments(acc);
 
-    tile.template for_each_key_chunk<S, KEY_CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
+    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
             float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
             tile.chunk_scores(
@@ -624,7 +674,7 @@ __device__ __forceinline__ void dq_tc(const T* __restrict__ q, const T* __restri
     });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
-        store_rows<T, D>(dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
+        store_rows<T, D>(ops.dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
 }
 
 // acc[nt][r] = value(acc[nt][r], the statistic of its column, nt, r) for a warp's accumulator
@@ -641,13 +691,11 @@ __device__ __forceinline__ void per_column(float (&acc)[NT][4], const float* sta
 }
 
 // dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
-// of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both.
-template <typename T, int D, int PARTS>
-__device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                        const T* __restrict__ grad_out, const float* __restrict__ lse,
-                                        const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                        const uint8_t* states, const uint8_t* dense, const int64_t* ids,
-                                        const AttentionArgs& a) {
+// of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both. FUSED_DQ (PARTS 3): the
+// block also adds scale * dS K, its key tile's share of dq, into ops.dq_accum with float atomics
+// (the order of the additions varies run to run), which leaves dq_tc only delta to compute.
+template <typename T, int D, int PARTS, bool FUSED_DQ>
+__device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
     extern __shared__ uint4 shared_raw[];
     T* sk = reinterpret_cast<T*>(shared_raw);
@@ -656,16 +704,17 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
     T* sdo = sk + (2 + S) * E;  // S stages
     float* s_lse = reinterpret_cast<float*>(sk + (2 + 2 * S) * E);  // [S][BQ]
     float* s_delta = s_lse + S * BQ;                                // [S][BQ]
+    T* s_ds = reinterpret_cast<T*>(s_delta + S * BQ);               // FUSED_DQ: dSᵀ [BK][DS_LD]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t kv_total = a.batch * a.kv_heads;
     const int64_t block = blockIdx.x;
     const int64_t kt = block / kv_total;  // the key tiles most queries see first (causal masks)
     const int64_t bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
-    const MaskView mask{a, states, dense, ids, b};
+    const MaskView mask{a, ops.states, ops.dense, ops.ids, b};
     const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
-    load_tile<T, D>(sk, k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
-    load_tile<T, D>(sv, v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+    load_tile<T, D>(sk, ops.k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+    load_tile<T, D>(sv, ops.v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
 
     float acc_dk[1][(PARTS & 2) ? D / 8 : 1][4], acc_dv[1][(PARTS & 1) ? D / 8 : 1][4];
     zero_fragments(acc_dk);
@@ -681,12 +730,12 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
     auto load = [&](int64_t item, int stage) {
         const int64_t h = h0 + item / a.row_tiles, i0 = (item % a.row_tiles) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
         const int64_t bh = b * a.heads + h;
-        load_tile<T, D>(sq + stage * E, q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
+        load_tile<T, D>(sq + stage * E, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                         a.q_strides[2], rows, a.d);
-        load_tile<T, D>(sdo + stage * E, grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+        load_tile<T, D>(sdo + stage * E, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
         for (int r = threadIdx.x; r < BQ; r += THREADS) {
-            s_lse[stage * BQ + r] = lse_log2(lse, bh * a.m + i0 + r, r < rows);
-            s_delta[stage * BQ + r] = r < rows ? delta[bh * a.m + i0 + r] : 0.f;
+            s_lse[stage * BQ + r] = lse_log2(ops.lse, bh * a.m + i0 + r, r < rows);
+            s_delta[stage * BQ + r] = r < rows ? ops.delta[bh * a.m + i0 + r] : 0.f;
         }
     };
     auto work = [&](int64_t item, int stage) {
@@ -736,15 +785,59 @@ __device__ __forceinline__ void dkdv_tc(const T* __restrict__ q, const T* __rest
                 uint32_t ds[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
                 product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, lane);
+                if constexpr (FUSED_DQ) {
+                    // The A fragments' words are dSᵀ pairs: rows (keys) g and g + 8, query columns
+                    // 2t (+ 8 for words 2 and 3) of each 16.
+                    uint32_t* row = reinterpret_cast<uint32_t*>(s_ds + (warp * 16 + g) * DS_LD + c * KEY_CHUNK + 2 * t);
+#pragma unroll
+                    for (int kk = 0; kk < CHUNK_STEPS; ++kk)
+#pragma unroll
+                        for (int w = 0; w < 4; ++w) row[((w & 1) * 8 * DS_LD + kk * 16 + (w >> 1) * 8) / 2] = ds[0][kk][w];
+                }
+            }
+        }
+        if constexpr (FUSED_DQ) {
+            __syncthreads();  // s_ds holds the item's dSᵀ, every warp's 16 keys
+            // This warp's 16 queries of the item: dq += scale * dS K over the tile's 64 keys, in
+            // column blocks of 64 (the accumulator is 16 x 64).
+            uint32_t ds[1][BK / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) load_a_trans<T, DS_LD>(ds[0][kk], s_ds, warp * 16, kk * 16, lane);
+            float* dq_rows = ops.dq_accum + ((b * a.heads + h) * a.m + i0 + warp * 16) * a.d;
+            const int64_t rows = a.m - i0 - warp * 16;
+#pragma unroll
+            for (int col0 = 0; col0 < D; col0 += 64) {
+                float acc_dq[1][8][4];
+                zero_fragments(acc_dq);
+                product_pb<T, 64, LD, 1, BK / 16>(acc_dq, ds, sk + col0, 0, lane);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = g + half * 8;
+                    if (row >= rows) continue;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) {
+                        const int col = col0 + nt * 8 + 2 * t;
+                        if (col < a.d)
+                            red_add2(dq_rows + row * a.d + col, acc_dq[0][nt][2 * half] * a.scale,
+                                     acc_dq[0][nt][2 * half + 1] * a.scale);
+                    }
+                }
             }
         }
     };
     pipeline<S>(next(-1), end, next, load, work);
     const int64_t row0 = j0 + warp * 16;
     if constexpr ((PARTS & 2) != 0)
-        store_rows<T, D>(dk + bhk * a.n * a.d, acc_dk[0], row0, a.n, a.d, a.scale, a.scale, lane);
-    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(dv + bhk * a.n * a.dv, acc_dv[0], row0, a.n, a.dv, 1.f, 1.f, lane);
+        store_rows<T, D>(ops.dk + bhk * a.n * a.d, acc_dk[0], row0, a.n, a.d, a.scale, a.scale, lane);
+    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(ops.dv + bhk * a.n * a.dv, acc_dv[0], row0, a.n, a.dv, 1.f, 1.f, lane);
 }
+
+// The one argument list of the backward kernels, and their operands from it.
+#define BACKWARD_PARAMS(T)                                                                                            \
+    const T *q, const T *k, const T *v, const T *grad_out, const T *out, const float *lse, float *delta, T *dq, T *dk, \
+        T *dv, float *dq_accum, const uint8_t *states, const uint8_t *dense, const int64_t *ids, AttentionArgs a
+#define BACKWARD_OPERANDS(T)                                                                                          \
+    BackwardOperands<T> { q, k, v, grad_out, out, lse, delta, dq, dk, dv, dq_accum, states, dense, ids }
 
 // ---- f32: a warp per row, a lane per 8 columns (lane + 32 e), dot products reduced across the warp.
 
@@ -770,6 +863,27 @@ __device__ __forceinline__ float dot(const float (&x)[PER_LANE], const float (&y
 #pragma unroll
     for (int e = 0; e < PER_LANE; ++e) s = fmaf(x[e], y[e], s);
     return warp_sum(s);
+}
+
+// delta = rowsum(dO * O) in f32, for the fused backward: a warp per row of the contiguous
+// [b * h * m, dv] out and grad_out (rows 16-byte aligned), a lane per 8 columns of every 256.
+template <typename T>
+__device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const AttentionArgs& a) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+    if (row >= a.batch * a.heads * a.m) return;
+    const T* o_row = ops.out + row * a.dv;
+    const T* g_row = ops.grad_out + row * a.dv;
+    float sum = 0.f;
+    for (int64_t col = 8 * lane; col < a.dv; col += 256) {
+        const uint4 o8 = *reinterpret_cast<const uint4*>(o_row + col), g8 = *reinterpret_cast<const uint4*>(g_row + col);
+        const T* o_half = reinterpret_cast<const T*>(&o8);
+        const T* g_half = reinterpret_cast<const T*>(&g8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_half[e]), to_float(g_half[e]), sum);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) ops.delta[row] = sum;
 }
 
 template <typename T>
@@ -845,11 +959,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
     if (lane == 0) lse[row] = sum > 0.f ? (mx + log2f(sum)) * LN2 : -INFINITY;
 }
 
-extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dq_rows_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                          const float* __restrict__ grad_out, const float* __restrict__ out,
-                          const float* __restrict__ lse, float* __restrict__ delta, float* __restrict__ dq,
-                          const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dq_rows_f32(BACKWARD_PARAMS(float)) {
     using T = float;
     const int lane = threadIdx.x & 31;
     const QueryRow<T> w(a, q, k, v, states, dense, ids);
@@ -872,11 +982,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
     store_row(dq + row * a.d, acc, a.scale, a.d, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
-    attention_dkdv_rows_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                            const float* __restrict__ grad_out, const float*, const float* __restrict__ lse,
-                            const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
-                            const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {
+extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_rows_f32(BACKWARD_PARAMS(float)) {
     using T = float;
     const int lane = threadIdx.x & 31;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
@@ -915,36 +1021,40 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
 
 // Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
 // dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
-// accumulator) and attention_{fwd,dq,dkdv}_rows_f32. The two backward passes take one argument
-// list (q, k, v, grad_out, out, lse, delta, their outputs, the mask, the arguments): dq writes
-// delta, which dk / dv then reads (dk / dv does not read out).
+// accumulator), attention_dkdvdq_d{64,128}_{f16,bf16} (dk / dv with dq added into dq_accum) with
+// attention_delta_{f16,bf16} before it, and attention_{fwd,dq,dkdv}_rows_f32. The backward
+// kernels take one argument list, BACKWARD_PARAMS. The deterministic backward runs dq (which
+// writes delta), then dk / dv (which reads it); the fused one delta, then dk / dv / dq.
 #define ATTENTION_TC(T, RUST, D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
         attention_fwd_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse, const uint8_t* states,   \
                                     const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                      \
         forward_tc<T, D>(q, k, v, out, lse, states, dense, ids, a);                                                   \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-        attention_dq_d##D##_##RUST(const T* q, const T* k, const T* v, const T* grad_out, const T* out,              \
-                                   const float* lse, float* delta, T* dq, const uint8_t* states, const uint8_t* dense, \
-                                   const int64_t* ids, AttentionArgs a) {                                             \
-        dq_tc<T, D>(q, k, v, grad_out, out, lse, delta, dq, states, dense, ids, a);                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_d##D##_##RUST(BACKWARD_PARAMS(T)) {            \
+        dq_tc<T, D>(BACKWARD_OPERANDS(T), a);                                                                         \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_d##D##_##RUST(                               \
-        const T* q, const T* k, const T* v, const T* grad_out, const T*, const float* lse, const float* delta, T* dk,  \
-        T* dv,                                                                                                        \
-        const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                           \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_d##D##_##RUST(BACKWARD_PARAMS(T)) {          \
         if constexpr (D > 128) {                                                                                      \
             if (blockIdx.y == 0)                                                                                      \
-                dkdv_tc<T, D, 1>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                       \
+                dkdv_tc<T, D, 1, false>(BACKWARD_OPERANDS(T), a);                                                     \
             else                                                                                                      \
-                dkdv_tc<T, D, 2>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                       \
+                dkdv_tc<T, D, 2, false>(BACKWARD_OPERANDS(T), a);                                                     \
         } else {                                                                                                      \
-            dkdv_tc<T, D, 3>(q, k, v, grad_out, lse, delta, dk, dv, states, dense, ids, a);                           \
+            dkdv_tc<T, D, 3, false>(BACKWARD_OPERANDS(T), a);                                                         \
         }                                                                                                             \
     }
 
-#define ATTENTION_TC_DIMS(T, RUST) ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256)
-ATTENTION_TC_DIMS(__half, f16)
-ATTENTION_TC_DIMS(__nv_bfloat16, bf16)
+#define ATTENTION_FUSED(T, RUST, D)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdvdq_d##D##_##RUST(BACKWARD_PARAMS(T)) {        \
+        dkdv_tc<T, D, 3, true>(BACKWARD_OPERANDS(T), a);                                                              \
+    }
 
+#define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
+    ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256) ATTENTION_FUSED(T, RUST, 64)      \
+    ATTENTION_FUSED(T, RUST, 128)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \
+        delta_rows<T>(BACKWARD_OPERANDS(T), a);                                                                       \
+    }
+ATTENTION_TC_TYPE(__half, f16)
+ATTENTION_TC_TYPE(__nv_bfloat16, bf16)

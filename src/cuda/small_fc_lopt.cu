@@ -147,13 +147,10 @@ __device__ __forceinline__ void flush_sums(float (&acc)[FEATURES], float (*parti
 // The sum over the removed axis of the elements that drop_axis(., inner, outer) maps to `o`, in
 // index order and in f64: the deterministic form of the atomic reductions.
 __device__ __forceinline__ float ordered_axis_sum(const float* __restrict__ src, uint64_t o, uint64_t inner,
-                                                  uint64_t outer, bool square) {
+                                                  uint64_t outer) {
     const uint64_t q = o / inner, base = q * outer + (o - q * inner), len = outer / inner;
     double sum = 0.0;
-    for (uint64_t k = 0; k < len; ++k) {
-        const float v = src[base + k * inner];
-        sum += square ? static_cast<double>(v * v) : static_cast<double>(v);
-    }
+    for (uint64_t k = 0; k < len; ++k) sum += static_cast<double>(src[base + k * inner]);
     return static_cast<float>(sum);
 }
 
@@ -490,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
                     for (int k = 0; k < 3; ++k)
                         buf.batch_sum[m.batch + k * m.batches + b] =
-                            ordered_axis_sum(row + k * m.rows, b, inner, outer, false);
+                            ordered_axis_sum(row + k * m.rows, b, inner, outer);
                 }
                 __syncthreads();
             }

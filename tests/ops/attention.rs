@@ -437,14 +437,28 @@ fn gradients_match_composed_attention() -> Result<()> {
     for_each_device(|dev| {
         let (b, h, hk, m, n, d, dv) = (2, 4, 2, 70, 133, 16, 24);
         let docs = documents(b, 133, 21);
+        // (name, mask, m, (d, dv)); head dims 16 / 24 run the CUDA kernels of head dim 64, 96 /
+        // 128 those of 128 (dq's columns past 96 cut off).
         let cases = [
-            ("causal", Spec::Causal, m),
-            ("window", Spec::Window(40), m),
-            ("documents", Spec::Documents(docs, true), n),
-            ("full", Spec::Full, m),
+            ("causal", Spec::Causal, m, (d, dv)),
+            ("window", Spec::Window(40), m, (d, dv)),
+            ("documents", Spec::Documents(docs, true), n, (d, dv)),
+            ("full", Spec::Full, m, (d, dv)),
+            ("causal, d 96", Spec::Causal, m, (96, 128)),
         ];
-        for (name, spec, m) in cases {
+        // Both backwards: on CUDA (f16 / bf16) the fused one adds dq with atomics, the
+        // deterministic one has a dq pass of its own.
+        let modes = [false, true];
+        for ((name, spec, m, (d, dv)), deterministic) in cases
+            .into_iter()
+            .flat_map(|case| modes.map(|mode| (case.clone(), mode)))
+        {
             let dims = (b, h, hk, m, n, d, dv);
+            let options = AttentionOptions {
+                scale: Some(0.4),
+                deterministic: Some(deterministic),
+                ..Default::default()
+            };
             for dtype in attention_dtypes(dev) {
                 let (q, k, v) = inputs(dims, dtype, dev, Views::Plain, 60)?;
                 let (qv, kv, vv) = (
@@ -454,7 +468,7 @@ fn gradients_match_composed_attention() -> Result<()> {
                 );
                 let scale = 0.4;
                 let weights = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 61)?;
-                let ours = masked_attention(&qv, &kv, &vv, &spec.mask(dev)?, scale)?;
+                let ours = masked_attention_with(&qv, &kv, &vv, &spec.mask(dev)?, &options)?;
                 let grads = (ours * &weights)?.sum_all()?.backward()?;
                 // The composed reference in f64 with an additive mask.
                 let mut bias = vec![f64::NEG_INFINITY; b * h * m * n];
@@ -493,7 +507,7 @@ fn gradients_match_composed_attention() -> Result<()> {
                                 .unwrap_or_else(|| panic!("{name} {dtype:?} composed d{which}")),
                         )?,
                         tol,
-                        &format!("{name} {dtype:?} d{which}"),
+                        &format!("{name} {dtype:?} deterministic {deterministic} d{which}"),
                     );
                 }
             }
@@ -592,8 +606,8 @@ fn bad_input_is_a_clear_error() -> Result<()> {
     Ok(())
 }
 
-/// The backward gives identical bits run to run (on CUDA it sums every gradient in one block in a
-/// fixed order), for every dtype, with grouped-query heads and a partial mask.
+/// The deterministic backward gives identical bits run to run (on CUDA it sums every gradient in
+/// one block in a fixed order), for every dtype, with grouped-query heads and a partial mask.
 #[test]
 fn gradients_repeat_bit_for_bit() -> Result<()> {
     for_each_device(|dev| {
@@ -608,7 +622,18 @@ fn gradients_repeat_bit_for_bit() -> Result<()> {
                     Var::from_tensor(&k)?,
                     Var::from_tensor(&v)?,
                 ];
-                let out = masked_attention(&vars[0], &vars[1], &vars[2], &docs.mask(dev)?, 0.2)?;
+                let options = AttentionOptions {
+                    scale: Some(0.2),
+                    deterministic: Some(true),
+                    ..Default::default()
+                };
+                let out = masked_attention_with(
+                    &vars[0],
+                    &vars[1],
+                    &vars[2],
+                    &docs.mask(dev)?,
+                    &options,
+                )?;
                 let grads = (out * &weights)?.sum_all()?.backward()?;
                 vars.iter()
                     .map(|var| to_f64(grads.get(var).expect("a gradient")))

@@ -15,10 +15,12 @@ struct SpanArgs {
 // Mirrored by `SpanArgs` in src/cuda/matmul.cu.
 mirrored_struct!(SpanArgs, 16, kernel_arg);
 
-#[allow(clippy::too_many_arguments)]
+/// The span product `a . b` (`[batch, m, k] . [batch, k, n]`) of the masked_bmm backward: each
+/// output tile reduces over its span of `spans` (`spans_batch_stride` span pairs per batch entry;
+/// a span per column tile with `by_cols`, per row tile otherwise).
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice, a: &CudaSlice<T>, b: &CudaSlice<T>, spans: &CudaView<'_, u32>,
-    (av, bv): (&MatView, &MatView), spans_batch_stride: usize, by_cols: bool,
+    (av, bv): (&MatView, &MatView), (spans_batch_stride, by_cols): (usize, bool),
     mode: crate::F32Matmul,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);

@@ -8,9 +8,8 @@
 //! over its span alone. On a causal mask that halves the work; on a mask with holes inside a span
 //! the zeros of the masked gradient keep the result exact.
 
-use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, TILE};
+use crate::matmul::core::{cpu_block_product, row_tile_output, CpuGemm, F32Matmul, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 const OP: &str = "masked_bmm backward";
 
@@ -128,67 +127,52 @@ impl SpanMatmul {
         let (batch, m, n, r) = (av.batch, av.rows, bv.cols, av.cols);
         let spans_batch_stride = self.spans_batch_stride(batch)?;
         let col_tiles = n.div_ceil(TILE);
-        let len = batch * m * n;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
         // The reduction of tile `t` of batch entry `bi`, clamped to `r`.
         let span = |bi: usize, t: usize| {
             let pair = &spans[2 * (bi * spans_batch_stride + t)..][..2];
             let k0 = (pair[0] as usize * TILE).min(r);
             (k0, (pair[1] as usize * TILE).clamp(k0, r))
         };
-        let write_all = |spare: &mut [std::mem::MaybeUninit<_>]| {
-            spare
-                .par_chunks_mut(m * n)
-                .enumerate()
-                .for_each(|(bi, out_b)| {
-                    out_b
-                        .par_chunks_mut(TILE * n)
-                        .enumerate()
-                        .for_each(|(ti, out_rows)| {
-                            let rows = ti * TILE..((ti + 1) * TILE).min(m);
-                            let dst = out_rows.as_mut_ptr().cast::<A>();
-                            let product =
-                                |cols: std::ops::Range<usize>, (k0, k1): (usize, usize)| {
-                                    // The operands narrowed to the span along the reduction.
-                                    let a_span = MatView {
-                                        start: av.start + k0 * av.col_stride,
-                                        cols: k1 - k0,
-                                        ..*av
-                                    };
-                                    let b_span = MatView {
-                                        start: bv.start + k0 * bv.row_stride,
-                                        rows: k1 - k0,
-                                        ..*bv
-                                    };
-                                    // SAFETY: the narrowed views lie inside the checked ones; the block
-                                    // written is rows `rows` x columns `cols` of this task's own chunk.
-                                    unsafe {
-                                        cpu_block_product(
-                                            (a, &a_span),
-                                            (b, &b_span),
-                                            bi,
-                                            rows.clone(),
-                                            cols.clone(),
-                                            dst.add(cols.start),
-                                            n,
-                                        )
-                                    }
-                                };
-                            if self.by_cols {
-                                for tj in 0..col_tiles {
-                                    product(tj * TILE..((tj + 1) * TILE).min(n), span(bi, tj));
-                                }
-                            } else {
-                                product(0..n, span(bi, ti));
-                            }
-                        })
-                })
+        let fill = |bi: usize, ti: usize, out_rows: &mut [std::mem::MaybeUninit<A>]| {
+            let rows = ti * TILE..((ti + 1) * TILE).min(m);
+            let dst = out_rows.as_mut_ptr().cast::<A>();
+            let product = |cols: std::ops::Range<usize>, (k0, k1): (usize, usize)| {
+                // The operands narrowed to the span along the reduction.
+                let a_span = MatView {
+                    start: av.start + k0 * av.col_stride,
+                    cols: k1 - k0,
+                    ..*av
+                };
+                let b_span = MatView {
+                    start: bv.start + k0 * bv.row_stride,
+                    rows: k1 - k0,
+                    ..*bv
+                };
+                // SAFETY: the narrowed views lie inside the checked ones; the block
+                // written is rows `rows` x columns `cols` of this task's own chunk.
+                unsafe {
+                    cpu_block_product(
+                        (a, &a_span),
+                        (b, &b_span),
+                        bi,
+                        rows.clone(),
+                        cols.clone(),
+                        dst.add(cols.start),
+                        n,
+                    )
+                }
+            };
+            if self.by_cols {
+                for tj in 0..col_tiles {
+                    product(tj * TILE..((tj + 1) * TILE).min(n), span(bi, tj));
+                }
+            } else {
+                product(0..n, span(bi, ti));
+            }
         };
-        // One task per (batch entry, row tile): TILE consecutive rows of the output.
-        // SAFETY: the products cover every row and column (an empty span writes zeros).
-        Ok(unsafe { crate::cpu::written_output::<A>(len, write_all) })
+        // SAFETY: the products cover every row and column of each task's rows (an empty span
+        // writes zeros).
+        Ok(unsafe { row_tile_output::<A>((batch, m, n), fill) })
     }
 }
 
@@ -202,9 +186,12 @@ impl CustomOp2 for SpanMatmul {
     ) -> Result<(CpuStorage, Shape)> {
         let (av, bv) = Self::views(a_layout, b_layout)?;
         let shape = Shape::from((av.batch, av.rows, bv.cols));
-        let out = crate::dispatch::with_cpu_gemm_pair!(OP, a, b, |a, b| {
-            candle_core::WithDType::to_cpu_storage_owned(self.cpu_product((a, &av), (b, &bv))?)
-        });
+        let out = crate::dispatch::with_cpu_gemm_pair!(
+            OP,
+            a,
+            b,
+            storage(|a, b| self.cpu_product((a, &av), (b, &bv))?)
+        );
         Ok((out, shape))
     }
 
@@ -229,8 +216,7 @@ impl CustomOp2 for SpanMatmul {
                 b,
                 &spans,
                 (&av, &bv),
-                stride,
-                self.by_cols,
+                (stride, self.by_cols),
                 self.mode,
             )?
         });

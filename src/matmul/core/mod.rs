@@ -204,6 +204,36 @@ impl MatView {
     }
 }
 
+/// A `[batch, m, n]` output written in parallel, one task per (batch entry, tile of `TILE` rows):
+/// `fill(batch_entry, row_tile, rows)` gets the task's rows (`min(TILE, m - TILE * row_tile)`
+/// rows of `n` elements, contiguous).
+///
+/// # Safety
+/// `fill` must initialise every element of the rows it is given.
+pub(crate) unsafe fn row_tile_output<A: Send>(
+    (batch, m, n): (usize, usize, usize),
+    fill: impl Fn(usize, usize, &mut [std::mem::MaybeUninit<A>]) + Sync,
+) -> Vec<A> {
+    use rayon::prelude::*;
+    let len = batch * m * n;
+    if len == 0 {
+        return Vec::new();
+    }
+    let write_all = |spare: &mut [std::mem::MaybeUninit<A>]| {
+        spare
+            .par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(bi, out_b)| {
+                out_b
+                    .par_chunks_mut(TILE * n)
+                    .enumerate()
+                    .for_each(|(ti, rows)| fill(bi, ti, rows))
+            })
+    };
+    // SAFETY: the chunks cover the output; `fill` writes each, as the caller guarantees.
+    unsafe { crate::cpu::written_output::<A>(len, write_all) }
+}
+
 /// CPU block product over the `gemm` crate: `dst[rows, cols] = lhs[rows, k] . rhs[k, cols]`,
 /// single-threaded (callers parallelise over blocks).
 pub(crate) trait CpuGemm: Copy + Send + Sync + num_traits::Float + 'static {}

@@ -8,9 +8,10 @@
 
 use crate::dispatch::check_float_operands;
 use crate::matmul::backward::{span_matmul, tile_spans};
-use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, MatmulOptions, TILE};
+use crate::matmul::core::{
+    cpu_block_product, row_tile_output, CpuGemm, F32Matmul, MatView, MatmulOptions, TILE,
+};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
 const OP: &str = "masked_bmm";
@@ -288,81 +289,64 @@ impl MaskedBmm {
         } else {
             row_tiles * col_tiles
         };
-        let len = batch * m * n;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let write_all = |spare: &mut [std::mem::MaybeUninit<_>]| {
-            // One task per (batch entry, row tile): TILE consecutive rows of the output.
-            spare
-                .par_chunks_mut(m * n)
-                .enumerate()
-                .for_each(|(bi, out_b)| {
-                    out_b
-                        .par_chunks_mut(TILE * n)
-                        .enumerate()
-                        .for_each(|(ti, out_rows)| {
-                            let row0 = ti * TILE;
-                            let rows = row0..(row0 + TILE).min(m);
-                            let tile_states =
-                                &states[bi * plan_batch_stride + ti * col_tiles..][..col_tiles];
-                            let mask_rows = &mask
-                                [dims.mask_start + bi * dims.mask_batch_stride + row0 * n..]
-                                [..rows.len() * n];
-                            let mut tj = 0;
-                            while tj < col_tiles {
-                                let cols = |t: usize| t * TILE..((t + 1) * TILE).min(n);
-                                if tile_states[tj] == EMPTY {
-                                    for r in 0..rows.len() {
-                                        for c in cols(tj) {
-                                            out_rows[r * n + c].write(fill);
-                                        }
-                                    }
-                                    tj += 1;
-                                    continue;
-                                }
-                                // One product for the whole run of non-empty tiles.
-                                let run_end = (tj..col_tiles)
-                                    .find(|&t| tile_states[t] == EMPTY)
-                                    .unwrap_or(col_tiles);
-                                let span = cols(tj).start..cols(run_end - 1).end;
-                                // SAFETY: the views were checked against their buffers; the
-                                // block written is rows `rows` x columns `span` of this task's
-                                // own chunk of the output.
-                                unsafe {
-                                    cpu_block_product(
-                                        (a, &dims.a),
-                                        (b, &dims.b),
-                                        bi,
-                                        rows.clone(),
-                                        span.clone(),
-                                        out_rows.as_mut_ptr().cast::<A>().add(span.start),
-                                        n,
-                                    )
-                                };
-                                for (t, _) in tile_states
-                                    .iter()
-                                    .enumerate()
-                                    .take(run_end)
-                                    .skip(tj)
-                                    .filter(|(_, &s)| s == PARTIAL)
-                                {
-                                    for r in 0..rows.len() {
-                                        for c in cols(t) {
-                                            if mask_rows[r * n + c] == 0 {
-                                                out_rows[r * n + c].write(fill);
-                                            }
-                                        }
-                                    }
-                                }
-                                tj = run_end;
+        let fill = |bi: usize, ti: usize, out_rows: &mut [std::mem::MaybeUninit<A>]| {
+            let row0 = ti * TILE;
+            let rows = row0..(row0 + TILE).min(m);
+            let tile_states = &states[bi * plan_batch_stride + ti * col_tiles..][..col_tiles];
+            let mask_rows =
+                &mask[dims.mask_start + bi * dims.mask_batch_stride + row0 * n..][..rows.len() * n];
+            let mut tj = 0;
+            while tj < col_tiles {
+                let cols = |t: usize| t * TILE..((t + 1) * TILE).min(n);
+                if tile_states[tj] == EMPTY {
+                    for r in 0..rows.len() {
+                        for c in cols(tj) {
+                            out_rows[r * n + c].write(fill);
+                        }
+                    }
+                    tj += 1;
+                    continue;
+                }
+                // One product for the whole run of non-empty tiles.
+                let run_end = (tj..col_tiles)
+                    .find(|&t| tile_states[t] == EMPTY)
+                    .unwrap_or(col_tiles);
+                let span = cols(tj).start..cols(run_end - 1).end;
+                // SAFETY: the views were checked against their buffers; the
+                // block written is rows `rows` x columns `span` of this task's
+                // own chunk of the output.
+                unsafe {
+                    cpu_block_product(
+                        (a, &dims.a),
+                        (b, &dims.b),
+                        bi,
+                        rows.clone(),
+                        span.clone(),
+                        out_rows.as_mut_ptr().cast::<A>().add(span.start),
+                        n,
+                    )
+                };
+                for (t, _) in tile_states
+                    .iter()
+                    .enumerate()
+                    .take(run_end)
+                    .skip(tj)
+                    .filter(|(_, &s)| s == PARTIAL)
+                {
+                    for r in 0..rows.len() {
+                        for c in cols(t) {
+                            if mask_rows[r * n + c] == 0 {
+                                out_rows[r * n + c].write(fill);
                             }
-                        })
-                })
+                        }
+                    }
+                }
+                tj = run_end;
+            }
         };
         // SAFETY: every element lies in an empty tile (filled) or in a run (written by the block
         // product).
-        Ok(unsafe { crate::cpu::written_output::<A>(len, write_all) })
+        Ok(unsafe { row_tile_output::<A>((batch, m, n), fill) })
     }
 }
 
@@ -377,9 +361,12 @@ impl CustomOp3 for MaskedBmm {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = Dims::new(a_layout, b_layout, mask_layout)?;
         let mask = mask.as_slice::<u8>()?;
-        let out = crate::dispatch::with_cpu_gemm_pair!(OP, a, b, |a, b| {
-            candle_core::WithDType::to_cpu_storage_owned(self.cpu_product(a, b, mask, &dims)?)
-        });
+        let out = crate::dispatch::with_cpu_gemm_pair!(
+            OP,
+            a,
+            b,
+            storage(|a, b| self.cpu_product(a, b, mask, &dims)?)
+        );
         Ok((out, dims.out_shape()))
     }
 
