@@ -233,7 +233,11 @@ fn args(p: &Problem, mask: &DeviceMask, layouts: [&Layout; 3]) -> AttentionArgs 
         row_tiles: p.m.div_ceil(TILE_Q) as i64,
         col_tiles: p.n.div_ceil(TILE_K) as i64,
         scale: p.scale as f32,
-        scale_log2: (p.scale * std::f64::consts::LOG2_E) as f32,
+        // The tensor-core forward needs scale_log2 > 0: `cuda_attention` turns a negative scale
+        // into a negated q, and a zero scale (or one below f32's range) gets the least normal
+        // f32, which rounds every score's product to zero as a zero scale does; dq and dk still
+        // take `scale` itself.
+        scale_log2: ((p.scale * std::f64::consts::LOG2_E) as f32).max(f32::MIN_POSITIVE),
         mask: mask.args,
     }
 }

@@ -160,10 +160,16 @@ fn cuda_attention(
             t.pad_with_zeros(3, 0, dim - t.dim(3)?)?
         })
     };
-    let (q2, k2, v2) = (operand(q, d)?, operand(k, d)?, operand(v, dv)?);
+    // The kernels take a positive scale: softmax(scale q kᵀ) = softmax(-scale (-q) kᵀ).
+    let (q, scale) = if p.scale < 0.0 {
+        (q.neg()?, -p.scale)
+    } else {
+        (q.clone(), p.scale)
+    };
+    let (q2, k2, v2) = (operand(&q, d)?, operand(k, d)?, operand(v, dv)?);
     let saved = SavedLse::default();
     let op = Attention {
-        p: Problem { d, dv, ..p },
+        p: Problem { d, dv, scale, ..p },
         mask: mask.clone(),
         saved: saved.clone(),
     };

@@ -47,7 +47,7 @@ struct AttentionArgs {
     int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, row (elements; columns are unit-stride)
     int64_t batch, heads, kv_heads, m, n, d, dv;
     int64_t row_tiles, col_tiles;                      // of 64 queries, of 64 keys
-    float scale, scale_log2;                           // scale, scale * log2(e)
+    float scale, scale_log2;                           // scale, scale * log2(e) (> 0, see the host)
     MaskArgs mask;
 };
 static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
@@ -550,10 +550,13 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 
     tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             float s[MF][CHUNK_TILES][4];
+            // Raw scores q . k: scale_log2 > 0 (the host makes it so), so the row maxima scale
+            // with it and the exponents take it in one multiply-add.
             tile.chunk_scores(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
-                              [&](float x, int, int) { return x * a.scale_log2; }, -INFINITY);
-            // The reference of a row's exponents (row_max) moves only when a score passes it by
-            // more than RESCALE_SLACK, so most chunks leave o unscaled (one warp-uniform test).
+                              [&](float x, int, int) { return x; }, -INFINITY);
+            // The reference of a row's exponents (row_max, log2 units) moves only when a score
+            // passes it by more than RESCALE_SLACK, so most chunks leave o unscaled (one
+            // warp-uniform test).
             float alpha[MF][2];
             bool moved = false;
 #pragma unroll
@@ -566,7 +569,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                 float base[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const float seen = quad_max(tile_max[half]), old_max = row_max[f][half];
+                    const float seen = quad_max(tile_max[half]) * a.scale_log2, old_max = row_max[f][half];
                     const float new_max = seen > old_max + RESCALE_SLACK ? seen : old_max;
                     base[half] = new_max == -INFINITY ? 0.f : new_max;
                     alpha[f][half] = exp2f(old_max - base[half]);
@@ -578,7 +581,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                 for (int nt = 0; nt < CHUNK_TILES; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        const float p = exp2f(s[f][nt][r] - base[r >> 1]);
+                        const float p = exp2f(fmaf(s[f][nt][r], a.scale_log2, -base[r >> 1]));
                         s[f][nt][r] = p;
                         row_sum[f][r >> 1] += p;
                     }
