@@ -463,8 +463,8 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");
     };
     let path = Path::of(p, T::DTYPE);
-    let fused =
-        !p.deterministic && matches!(path, Path::TensorCores { head_tile } if head_tile <= 128);
+    // The fused backward at head tile 128 only: at 64 the two passes are faster (BENCHMARKS.md).
+    let fused = !p.deterministic && matches!(path, Path::TensorCores { head_tile: 128 });
     // The fused pass adds scale * dS K into dq_accum (f32 [b, h, m, d], zeroed); the
     // deterministic dq pass writes dq itself.
     let (dq, dq_accum) = if fused {

@@ -31,11 +31,11 @@ pub struct AttentionOptions {
     /// mode), so no mode changes the result today; f64 is computed in f64 on the CPU.
     pub f32_mode: Option<crate::F32Matmul>,
     /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). The CPU backward is
-    /// deterministic in every mode. On CUDA, f16 / bf16 with head dims up to 128 otherwise add
-    /// each key tile's share of dq with float atomics (one fused dk / dv / dq pass: five tile
-    /// products where the deterministic backward's two passes take seven); deterministic, dq
-    /// gets its own pass that sums each gradient in one block in a fixed order (the f32 and
-    /// head-dim-256 kernels always do).
+    /// deterministic in every mode. On CUDA, f16 / bf16 with head dims 65 to 128 (the kernels of
+    /// head dim 128) otherwise add each key tile's share of dq with float atomics (one fused
+    /// dk / dv / dq pass: five tile products where the deterministic backward's two passes take
+    /// seven); deterministic, dq gets its own pass that sums each gradient in one block in a
+    /// fixed order, as the other head dims and f32 always do.
     pub deterministic: Option<bool>,
 }
 

@@ -12,7 +12,7 @@
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
 // The deterministic backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per
 // key tile, over the query tiles of every query head of its group): no atomics, identical bits run
-// to run. The fused backward (D <= 128) computes delta in a row kernel, then dk / dv with each key
+// to run. The fused backward (D = 128) computes delta in a row kernel, then dk / dv with each key
 // tile's share of dq added into an f32 buffer with atomics: five tile products instead of seven.
 #include "common.cuh"
 
@@ -1024,7 +1024,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
 
 // Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
 // dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
-// accumulator), attention_dkdvdq_d{64,128}_{f16,bf16} (dk / dv with dq added into dq_accum) with
+// accumulator), attention_dkdvdq_d128_{f16,bf16} (dk / dv with dq added into dq_accum) with
 // attention_delta_{f16,bf16} before it, and attention_{fwd,dq,dkdv}_rows_f32. The backward
 // kernels take one argument list, BACKWARD_PARAMS. The deterministic backward runs dq (which
 // writes delta), then dk / dv (which reads it); the fused one delta, then dk / dv / dq.
@@ -1054,8 +1054,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
     }
 
 #define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
-    ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256) ATTENTION_FUSED(T, RUST, 64)      \
-    ATTENTION_FUSED(T, RUST, 128)                                                                                     \
+    ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256) ATTENTION_FUSED(T, RUST, 128)     \
     extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \
         delta_rows<T>(BACKWARD_OPERANDS(T), a);                                                                       \
     }
