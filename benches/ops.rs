@@ -511,17 +511,21 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
                     "unchecked forward",
                     fast,
                 )?;
+                // Both perspectives, unchecked like the forward row (the checked default adds
+                // the same check and synchronisation as the forward's checked row).
                 b.compare(
                     OP,
-                    &format!("{case} forward_pair"),
+                    &format!("{case} forward_pair (unchecked)"),
                     dtype,
                     Work::Bytes(2.0 * gathered),
                     || {
-                        candle_fastops::sparse_linear_pair(&idx, &black, &stm, &weight, &bias)
-                            .map(drop)
+                        candle_fastops::sparse_linear_pair_with(
+                            &idx, &black, &stm, &weight, &bias, &unchecked,
+                        )
+                        .map(drop)
                     },
-                    "one sparse_linear forward",
-                    || candle_fastops::sparse_linear(&idx, None, &weight, &bias).map(drop),
+                    "one unchecked sparse_linear forward",
+                    fast,
                 )?;
             }
             if dtype == DType::F32 && headline {

@@ -10,64 +10,10 @@ use crate::matmul::core::CpuGemm;
 use crate::tile_summary::{TILE_EMPTY, TILE_FULL};
 use rayon::prelude::*;
 
-/// The accumulator types of the CPU attention (f32, f64) and their exponential over a row.
-pub(super) trait AttentionFloat: CpuGemm {
-    /// `x = exp(x - shift)` for every `x` of `row`; returns their sum.
-    fn exp_shifted(row: &mut [Self], shift: Self) -> Self;
-}
-
-impl AttentionFloat for f64 {
-    fn exp_shifted(row: &mut [f64], shift: f64) -> f64 {
-        row.iter_mut().fold(0.0, |sum, x| {
-            *x = (*x - shift).exp();
-            sum + *x
-        })
-    }
-}
-
-impl AttentionFloat for f32 {
-    /// Branch-free so that it vectorizes: `e^a = 2^n e^r` with `n` the integer nearest
-    /// `a log2 e`, `r = a - n ln 2` (ln 2 split in two parts, so `r` is exact to f32 rounding,
-    /// |r| <= 0.35) and `e^r` a degree-7 Taylor polynomial: relative error below 3e-7 (about
-    /// 2 ulp) for results above 1e-37. Arguments below -87.3 give 0 (`-inf` exactly 0), NaN stays
-    /// NaN.
-    fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
-        // 1 / k! for k = 7 down to 1.
-        const C: [f32; 7] = [
-            1.0 / 5040.0,
-            1.0 / 720.0,
-            1.0 / 120.0,
-            1.0 / 24.0,
-            1.0 / 6.0,
-            0.5,
-            1.0,
-        ];
-        const LN2_HI: f32 = 0.693_359_4; // 0x3f31_8000: n * LN2_HI is exact for |n| <= 127
-        const LN2_LO: f32 = -2.121_944_4e-4;
-        // 1.5 * 2^23: adding and subtracting it rounds |y| < 2^22 to the nearest integer.
-        const ROUND: f32 = 12_582_912.0;
-        for x in row.iter_mut() {
-            let arg = *x - shift;
-            let a = arg.clamp(-88.0, 88.0);
-            let n = (a * std::f32::consts::LOG2_E + ROUND) - ROUND;
-            let r = (a - n * LN2_HI) - n * LN2_LO;
-            let poly = C.iter().fold(0.0f32, |acc, &c| (acc + c) * r) + 1.0;
-            // n = -127 puts 0 in the exponent field: the scale, and the result, are 0.
-            let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-            let e = poly * scale;
-            *x = if arg.is_nan() { arg } else { e };
-        }
-        // Eight running sums (vector lanes), then their total.
-        let mut lanes = [0.0f32; 8];
-        let mut chunks = row.chunks_exact(8);
-        for chunk in &mut chunks {
-            for (lane, &x) in lanes.iter_mut().zip(chunk) {
-                *lane += x;
-            }
-        }
-        lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
-    }
-}
+/// The accumulator types of the CPU attention (f32, f64).
+pub(super) trait AttentionFloat: CpuGemm + crate::cpu::FastExp {}
+impl AttentionFloat for f64 {}
+impl AttentionFloat for f32 {}
 
 /// Query rows and keys per tile.
 pub(super) const ROWS: usize = 128;
@@ -364,7 +310,7 @@ pub(super) fn forward<A: AttentionFloat>(
                                 continue;
                             }
                             let alpha = (max[ri] - new_max).exp();
-                            let total = A::exp_shifted(row, new_max);
+                            let total = crate::cpu::exp_shifted(row, new_max);
                             sum[ri] = sum[ri] * alpha + total;
                             max[ri] = new_max;
                             for a in &mut acc[ri * dv..(ri + 1) * dv] {
@@ -399,7 +345,7 @@ fn probabilities<A: AttentionFloat>(s: &mut [A], c: usize, lse: &[f64]) {
             row.fill(A::zero());
             continue;
         }
-        A::exp_shifted(row, A::from(l).unwrap_or_else(A::zero));
+        crate::cpu::exp_shifted(row, A::from(l).unwrap_or_else(A::zero));
     }
 }
 
@@ -544,7 +490,7 @@ mod tests {
         let mut xs: Vec<f32> = (0..200_001).map(|i| -100.0 + i as f32 * 0.0005).collect();
         xs.extend([0.0, -0.0, 1e-30, -87.0, 80.0, 88.0]);
         let mut row = xs.clone();
-        let sum = f32::exp_shifted(&mut row, 0.5);
+        let sum = crate::cpu::exp_shifted(&mut row, 0.5);
         let mut want_sum = 0.0f64;
         for (&x, &e) in xs.iter().zip(&row) {
             let want = ((x - 0.5) as f64).exp(); // the argument as f32 computes it
@@ -561,7 +507,7 @@ mod tests {
         }
         assert!((sum as f64 - want_sum).abs() / want_sum < 1e-5);
         let mut special = [f32::NEG_INFINITY, f32::NAN, -1000.0];
-        f32::exp_shifted(&mut special, 0.0);
+        crate::cpu::exp_shifted(&mut special, 0.0);
         assert_eq!(special[0], 0.0);
         assert!(special[1].is_nan());
         assert_eq!(special[2], 0.0);
