@@ -1,5 +1,5 @@
 use super::*;
-use crate::cpu::{CpuFloat, FastExp};
+use crate::cpu::CpuFloat;
 use num_traits::Float;
 
 /// Lanes per task in column mode, so a plan with one huge kept block still spreads over
@@ -37,12 +37,12 @@ fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
 }
 
 /// The output of one element given its group's max `m` and `log_s = ln(sum(exp(x - m)))`.
-fn normalise<C: Float + FastExp>(x: C, m: C, inv_s: C, log_s: C, log: bool) -> C {
+fn normalise<C: Float>(x: C, m: C, inv_s: C, log_s: C, log: bool) -> C {
     match (m == C::neg_infinity(), log) {
         (true, true) => C::neg_infinity(),
         (true, false) => C::zero(),
         (false, true) => x - m - log_s,
-        (false, false) => (x - m).fast_exp() * inv_s,
+        (false, false) => (x - m).exp() * inv_s,
     }
 }
 
@@ -142,7 +142,7 @@ fn column_group<T: CpuFloat>(
     let mut s = vec![<T::Acc as num_traits::Zero>::zero(); width];
     for off in offsets.clone() {
         for ((s, &m), &x) in s.iter_mut().zip(&m).zip(&xs[off..off + width]) {
-            *s += (x.to_acc() - m).fast_exp();
+            *s += (x.to_acc() - m).exp();
         }
     }
     let inv_s: Vec<T::Acc> = s.iter().map(|s| s.recip()).collect();
