@@ -1,5 +1,5 @@
 use super::*;
-use crate::cpu::CpuFloat;
+use crate::cpu::{CpuFloat, FastExp};
 use num_traits::Float;
 
 /// Lanes per task in column mode, so a plan with one huge kept block still spreads over
@@ -139,7 +139,33 @@ fn column_group<T: CpuFloat>(
             *m = <T::Acc as Float>::nan();
         }
     }
-    let mut s = vec![<T::Acc as num_traits::Zero>::zero(); width];
+    let zero = <T::Acc as num_traits::Zero>::zero();
+    let mut s = vec![zero; width];
+    if !log {
+        // Softmax: each exponential once ([`FastExp`], in loops that vectorize), kept in
+        // `exps` (reduced index-major), then scaled by its group's 1 / sum.
+        let mut exps = vec![zero; plan.group_size() * width];
+        for (off, run) in offsets.clone().zip(exps.chunks_exact_mut(width)) {
+            for ((e, &m), &x) in run.iter_mut().zip(&m).zip(&xs[off..off + width]) {
+                *e = (x.to_acc() - m).fast_exp();
+            }
+            for (s, &e) in s.iter_mut().zip(run.iter()) {
+                *s += e;
+            }
+        }
+        let inv_s: Vec<T::Acc> = s.iter().map(|s| s.recip()).collect();
+        for (off, run) in offsets.zip(exps.chunks_exact(width)) {
+            // SAFETY: the run's `width` elements belong to groups `g0..g0 + width`, owned here.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(ys.add(off) as *mut std::mem::MaybeUninit<T>, width)
+            };
+            // A group of only -inf (m = -inf) is zero; a NaN stays NaN.
+            for (((o, &e), &inv), &m) in out.iter_mut().zip(run).zip(&inv_s).zip(&m) {
+                o.write(T::from_acc(if m == neg_inf { zero } else { e * inv }));
+            }
+        }
+        return;
+    }
     for off in offsets.clone() {
         for ((s, &m), &x) in s.iter_mut().zip(&m).zip(&xs[off..off + width]) {
             *s += (x.to_acc() - m).exp();
