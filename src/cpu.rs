@@ -128,7 +128,7 @@ pub(crate) fn exp_shifted<A: FastExp + num_traits::Float>(row: &mut [A], shift: 
     for x in row.iter_mut() {
         *x = (*x - shift).fast_exp();
     }
-    sum_lanes(row, |x| x)
+    sum_lanes(row)
 }
 
 /// The sum of `exp(x - shift)` over `row`, which stays as it is (the exponentials go through a
@@ -140,21 +140,21 @@ pub(crate) fn sum_exp_shifted<A: FastExp + num_traits::Float>(row: &[A], shift: 
         for (e, &x) in exps.iter_mut().zip(chunk) {
             *e = (x - shift).fast_exp();
         }
-        total + sum_lanes(exps, |x| x)
+        total + sum_lanes(exps)
     })
 }
 
-/// The sum of `f(x)` over `row` in eight running sums (vector lanes), then their total.
+/// The sum of `row` in eight running sums (vector lanes), then their total.
 #[inline(always)]
-fn sum_lanes<A: num_traits::Float>(row: &[A], f: impl Fn(A) -> A) -> A {
+fn sum_lanes<A: num_traits::Float>(row: &[A]) -> A {
     let mut lanes = [A::zero(); 8];
     let mut chunks = row.chunks_exact(8);
     for chunk in &mut chunks {
         for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = *lane + f(x);
+            *lane = *lane + x;
         }
     }
-    let rest = chunks.remainder().iter().fold(A::zero(), |s, &x| s + f(x));
+    let rest = chunks.remainder().iter().fold(A::zero(), |s, &x| s + x);
     lanes.iter().fold(A::zero(), |s, &x| s + x) + rest
 }
 
