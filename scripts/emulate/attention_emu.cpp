@@ -217,8 +217,8 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
                      dkdv_smem = (2 + 2 * dkdv_stages) * tile + 2 * dkdv_stages * 64 * 4;
         const Dim3 dkdv_grid{static_cast<uint32_t>(c.b * c.hk * ct), D > 128 ? 2u : 1u, 1};
         // The fused backward (D = 128): delta, then dk / dv with dq added into an f32 buffer
-        // (scaled in the kernel), rounded to T as the host's cast does.
-        std::vector<float> dq_accum(q.size(), 0.f);
+        // ([b, h, rt * 64, 128], scaled in the kernel), rounded to T as the host's cast does.
+        std::vector<float> dq_accum(static_cast<size_t>(c.b * c.h * rt * 64 * 128), 0.f);
 #define FUSED_BWD(DD, S)                                                                                           \
     do {                                                                                                            \
         launch(blocks((c.b * c.h * c.m + C::ROW_WARPS - 1) / C::ROW_WARPS), C::ROW_WARPS * 32, 0, [&] {           \
@@ -230,7 +230,10 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
                                          delta.data(), nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de,     \
                                          id, a);                                                                    \
         });                                                                                                         \
-        for (size_t i = 0; i < dq.size(); ++i) dq[i] = Host<T>::from(dq_accum[i]);                                \
+        for (size_t i = 0; i < dq.size(); ++i) {                                                                   \
+            const size_t row = i / pd, col = i % pd, bh = row / c.m, r = row % c.m;                                  \
+            dq[i] = Host<T>::from(dq_accum[(bh * rt * 64 + r) * 128 + col]);                                      \
+        }                                                                                                           \
     } while (0)
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \

@@ -60,6 +60,8 @@ struct AttentionArgs {
 mirrored_struct!(AttentionArgs, 216, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
+/// The head tile of the fused backward (`attention_dkdvdq_d128_*`).
+const FUSED_HEAD_TILE: usize = 128;
 const TILE_K: usize = C::TILE_K;
 const TC_THREADS: u32 = (C::WARPS * 32) as u32;
 const ROW_WARPS: usize = C::ROW_WARPS;
@@ -464,11 +466,21 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     let path = Path::of(p, T::DTYPE);
     // The fused backward at head tile 128 only: at 64 the two passes are faster (BENCHMARKS.md).
-    let fused = !p.deterministic && matches!(path, Path::TensorCores { head_tile: 128 });
-    // The fused pass adds scale * dS K into dq_accum (f32 [b, h, m, d], zeroed); the
-    // deterministic dq pass writes dq itself.
+    let fused = !p.deterministic
+        && matches!(
+            path,
+            Path::TensorCores {
+                head_tile: FUSED_HEAD_TILE
+            }
+        );
+    // The fused pass adds scale * dS K into dq_accum (f32, zeroed, padded to whole query tiles
+    // and the head tile: [b, h, padded_m, 128]); the deterministic dq pass writes dq itself.
+    let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
     let (dq, dq_accum) = if fused {
-        (None, Some(dev.alloc_zeros::<f32>(q.elem_count())?))
+        (
+            None,
+            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * FUSED_HEAD_TILE)?),
+        )
     } else {
         (Some(alloc_output::<T>(dev, q.elem_count())?), None)
     };
@@ -501,7 +513,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         // checked). dq and delta write rows below m of delta ([b, h, m], before dk / dv read
         // them on the same stream); dq writes rows below m of dq ([b, h, m, d]); dkdv and
         // dkdvdq rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]); dkdvdq adds into
-        // rows below m, columns below d, of dq_accum ([b, h, m, d]); all contiguous.
+        // all of dq_accum ([b, h, padded_m, 128]); all contiguous.
         unsafe {
             kernel.launch(path.config(p, pass, elem), |a_| {
                 for x in [&qv, &kv, &vv, &gv, &ov] {
@@ -550,10 +562,12 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         (Some(dq), _) => wrap(dq, q),
         (None, Some(acc)) => Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-            q.dims(),
+            (p.batch, p.heads, padded_m, FUSED_HEAD_TILE),
             BackpropOp::none(),
             false,
         )
+        .narrow(2, 0, p.m)?
+        .narrow(3, 0, p.d)?
         .to_dtype(T::DTYPE)?,
         (None, None) => bail!("{OP}: internal error, the backward has no dq"),
     };

@@ -115,6 +115,31 @@ struct MaskView {
         clamp_run(first, last, i0, len, lo, hi);
     }
 
+    // For a generated mask: the key tiles [first, last] holding every key that a query of
+    // [i_first, i_last] sees (first > last when none). Tiles inside may still be empty.
+    __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
+        const int64_t shift = a.n - a.m;  // query i sits at key position i + shift
+        i_last = min(i_last, a.m - 1);
+        int64_t lo = 0, hi = a.n - 1;
+        if (a.mask.kind != AC::MASK_FULL) hi = min(hi, i_last + shift);
+        if (a.mask.kind == AC::MASK_WINDOW) lo = max(lo, i_first + shift - a.mask.window + 1);
+        first = lo / BK;
+        last = (i_first > i_last || lo > hi) ? first - 1 : hi / BK;
+    }
+
+    // For a generated mask: the query tiles [first, last] holding every query that sees a key of
+    // [j_first, j_last] (first > last when none). Tiles inside may still be empty.
+    __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
+                                                   int64_t& last) const {
+        const int64_t shift = a.n - a.m;
+        j_last = min(j_last, a.n - 1);
+        int64_t lo = 0, hi = a.m - 1;
+        if (a.mask.kind != AC::MASK_FULL) lo = max(lo, j_first - shift);
+        if (a.mask.kind == AC::MASK_WINDOW) hi = min(hi, j_last - shift + a.mask.window - 1);
+        first = lo / BQ;
+        last = (j_first > j_last || lo > hi) ? first - 1 : hi / BQ;
+    }
+
     // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
     __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const {
         if (i >= a.m || j >= a.n) return false;
@@ -136,8 +161,8 @@ struct MaskView {
 };
 
 // The backward kernels' operands, in the order of their one argument list. dq_accum (f32
-// [b, h, m, d], zeroed by the host) takes the fused pass's dq; a pass leaves alone what it does not
-// write (dq_tc writes delta and dq, dkdv_tc dk, dv and, fused, dq_accum).
+// [b, h, row_tiles * TILE_Q, D], zeroed by the host) takes the fused pass's dq; a pass leaves
+// alone what it does not write (dq_tc writes delta and dq, dkdv_tc dk, dv and, fused, dq_accum).
 template <typename T> struct BackwardOperands {
     const T* q;
     const T* k;
@@ -179,14 +204,29 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
 
 // Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major global tile
 // into a ROWS x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
+// A thread copies one 16-byte column chunk of every (THREADS / (D / 8))-th row, so that its
+// addresses advance by constants: one bounds test per copy, none in a whole tile.
 template <typename T, int D, int ROWS = 64>
 __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int64_t rows, int64_t cols) {
-    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8;
-#pragma unroll 4
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        const bool valid = r < rows && col < cols;
-        cp_async16(shared_address(tile + r * LD + col), valid ? src + r * row_stride + col : src, valid ? 16 : 0);
+    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = THREADS / CHUNKS, PASSES = ROWS / ROW_STEP;
+    static_assert(THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
+    const int r0 = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+    // Rows this thread copies: r0 + ROW_STEP * pass for pass < live (0 past the operand's columns).
+    const int64_t live_rows = col < cols ? min(rows, static_cast<int64_t>(ROWS)) - r0 : 0;
+    const T* from = src + r0 * row_stride + col;
+    const uint32_t to = shared_address(tile + r0 * LD + col);
+    const int64_t step = ROW_STEP * row_stride;
+    if (live_rows > ROWS - ROW_STEP) {
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass)
+            cp_async16(to + pass * ROW_STEP * LD * static_cast<int>(sizeof(T)), from + pass * step, 16);
+    } else {
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+            const bool valid = pass * ROW_STEP < live_rows;
+            cp_async16(to + pass * ROW_STEP * LD * static_cast<int>(sizeof(T)), valid ? from + pass * step : src,
+                       valid ? 16 : 0);
+        }
     }
 }
 
@@ -409,6 +449,7 @@ template <typename T, int D> struct QueryTile {
     const AttentionArgs& a;
     MaskView mask;
     int64_t qt0, warp_qt, bh, h, i0, rows;
+    int64_t kt_first, kt_last;  // generated masks: the key tiles any query of the block may see
     const T* q_tile;
     const T* k_head;
     const T* v_head;
@@ -426,14 +467,20 @@ template <typename T, int D> struct QueryTile {
         mask.b = b;
         i0 = qt0 * BQ;
         rows = min(static_cast<int64_t>(BQ * MF), a.m - i0);
+        mask.key_tiles(i0, i0 + rows - 1, kt_first, kt_last);
         q_tile = q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2];
         k_head = k + b * a.k_strides[0] + hk * a.k_strides[1];
         v_head = v + b * a.v_strides[0] + hk * a.v_strides[1];
     }
 
     // The first key tile after kt that the mask leaves to any query tile of the block (col_tiles
-    // when none); next(-1) is the first of all. Called by every thread.
+    // when none; for a generated mask, possibly a tile that turns out empty); next(-1) is the first
+    // of all. Called by every thread.
     __device__ __forceinline__ int64_t next(int64_t kt) const {
+        if (mask.generated()) {
+            const int64_t c = max(kt + 1, kt_first);
+            return c <= kt_last ? c : a.col_tiles;
+        }
         return next_live(kt, a.col_tiles, [&](int64_t c) {
             bool live = false;
 #pragma unroll
@@ -725,7 +772,19 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
 
     // Items: (query head - h0) * row_tiles + query tile.
     const int64_t end = group * a.row_tiles;
+    int64_t qt_first, qt_last;  // generated masks: the query tiles that may see this key tile
+    mask.query_tiles_of(j0, j0 + BK - 1, qt_first, qt_last);
     auto next = [&](int64_t item) {
+        if (mask.generated()) {
+            if (qt_first > qt_last) return end;
+            int64_t head = item < 0 ? 0 : item / a.row_tiles, qt = item < 0 ? qt_first : item % a.row_tiles + 1;
+            qt = max(qt, qt_first);
+            if (qt > qt_last) {
+                ++head;
+                qt = qt_first;
+            }
+            return head < group ? head * a.row_tiles + qt : end;
+        }
         return next_live(item, end, [&](int64_t i) {
             return mask.tile_state(h0 + i / a.row_tiles, i % a.row_tiles, kt) != TILE_EMPTY;
         });
@@ -743,7 +802,9 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
     };
     auto work = [&](int64_t item, int stage) {
         const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
-        const bool partial = mask.tile_state(h, qt, kt) != TILE_FULL;
+        const uint8_t state = mask.tile_state(h, qt, kt);
+        if (state == TILE_EMPTY) return;  // the same for the whole block
+        const bool partial = state != TILE_FULL;
         const int64_t key = j0 + warp * 16 + g;
         // The 64 queries of the item in chunks of KEY_CHUNK (the score registers are 16 x KEY_CHUNK).
 #pragma unroll(D > 64 ? 1 : BQ / KEY_CHUNK)
@@ -806,25 +867,20 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             uint32_t ds[1][BK / 16][4];
 #pragma unroll
             for (int kk = 0; kk < BK / 16; ++kk) load_a_trans<T, DS_LD>(ds[0][kk], s_ds, warp * 16, kk * 16, lane);
-            float* dq_rows = ops.dq_accum + ((b * a.heads + h) * a.m + i0 + warp * 16) * a.d;
-            const int64_t rows = a.m - i0 - warp * 16;
+            // dq_accum is padded to whole query tiles and D columns: no bounds to test, and the
+            // addresses are this lane's base plus constants.
+            float* dq_lane = ops.dq_accum + ((b * a.heads + h) * a.row_tiles * BQ + i0 + warp * 16 + g) * D + 2 * t;
 #pragma unroll
             for (int col0 = 0; col0 < D; col0 += 64) {
                 float acc_dq[1][8][4];
                 zero_fragments(acc_dq);
                 product_pb<T, 64, LD, 1, BK / 16>(acc_dq, ds, sk + col0, 0, lane);
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = g + half * 8;
-                    if (row >= rows) continue;
+                for (int half = 0; half < 2; ++half)
 #pragma unroll
-                    for (int nt = 0; nt < 8; ++nt) {
-                        const int col = col0 + nt * 8 + 2 * t;
-                        if (col < a.d)
-                            red_add2(dq_rows + row * a.d + col, acc_dq[0][nt][2 * half] * a.scale,
-                                     acc_dq[0][nt][2 * half + 1] * a.scale);
-                    }
-                }
+                    for (int nt = 0; nt < 8; ++nt)
+                        red_add2(dq_lane + half * 8 * D + col0 + nt * 8, acc_dq[0][nt][2 * half] * a.scale,
+                                 acc_dq[0][nt][2 * half + 1] * a.scale);
             }
         }
     };
