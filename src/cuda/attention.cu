@@ -299,6 +299,34 @@ __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_
     }
 }
 
+// acc1 = rows r0.. of a1 . rows n0.. of b1ᵀ and acc2 the same of a2 and b2 (16 x 8 NT each, as
+// product_abt with MF = 1), each k-step issuing the mma of both: twice the independent
+// accumulators of one product, for the tensor cores' latency.
+template <typename T, int K, int LD, int NT>
+__device__ __forceinline__ void product_abt_pair(float (&acc1)[1][NT][4], const T* a1, const T* b1,
+                                                 float (&acc2)[1][NT][4], const T* a2, const T* b2, int r0, int n0,
+                                                 int lane) {
+    static_assert(NT % 2 == 0, "B fragments come in pairs of 8-column tiles");
+    zero_fragments(acc1);
+    zero_fragments(acc2);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t x1[4], x2[4];
+        load_a<T, LD>(x1, a1, r0, kk * 16, lane);
+        load_a<T, LD>(x2, a2, r0, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t y1[4], y2[4];
+            load_b<T, LD>(y1, b1, n0 + np * 16, kk * 16, lane);
+            load_b<T, LD>(y2, b2, n0 + np * 16, kk * 16, lane);
+            mma_m16n8k16<T>(acc1[0][2 * np], x1, y1[0], y1[1]);
+            mma_m16n8k16<T>(acc2[0][2 * np], x2, y2[0], y2[1]);
+            mma_m16n8k16<T>(acc1[0][2 * np + 1], x1, y1[2], y1[3]);
+            mma_m16n8k16<T>(acc2[0][2 * np + 1], x2, y2[2], y2[3]);
+        }
+    }
+}
+
 // acc (16 MF x N) += p (16 MF x 16 KS, A fragments) . rows k0.. (16 KS) of `b_tile` (stored
 // [k][n]), over all N columns (zero past the operand's own, as in product_abt).
 template <typename T, int N, int LD, int MF, int KS>
@@ -811,8 +839,14 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
         for (int c = 0; c < BQ / KEY_CHUNK; ++c) {
             const int col0 = c * KEY_CHUNK + 2 * t;  // this lane's first query column in the item
             float st[1][CHUNK_TILES][4];              // Sᵀ: rows are keys, columns queries
+            float dpt[1][CHUNK_TILES][4];             // dPᵀ = V dOᵀ (dk only)
             auto& s = st[0];
-            product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
+            auto& dp = dpt[0];
+            if constexpr (PARTS == 3)  // both products at once (twice the independent mma)
+                product_abt_pair<T, D, LD, CHUNK_TILES>(st, sk, sq + stage * E, dpt, sv, sdo + stage * E, warp * 16,
+                                                        c * KEY_CHUNK, lane);
+            else
+                product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
             per_column(s, s_lse + stage * BQ + col0,
                        [&](float x, float lse2, int, int) { return exp2f(fmaf(x, a.scale_log2, -lse2)); });
             if (partial && mask.generated()) {
@@ -841,9 +875,8 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
                 product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, lane);
             }
             if constexpr ((PARTS & 2) != 0) {
-                float dpt[1][CHUNK_TILES][4];
-                auto& dp = dpt[0];
-                product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
+                if constexpr (PARTS != 3)
+                    product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
                 per_column(s, s_delta + stage * BQ + col0,
                            [&](float x, float delta_j, int nt, int r) { return x * (dp[nt][r] - delta_j); });
                 uint32_t ds[1][CHUNK_STEPS][4];
