@@ -1,9 +1,9 @@
 // A first Hopper (sm_90a) attention forward, outside the crate: how fast a plain wgmma kernel is
 // before warp specialisation, and whether the layouts of wgmma_probe.cu carry a whole kernel.
-//   nvcc -std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a \
-//       scripts/hopper/attention_fwd_probe.cu -o attn && ./attn
-// bf16, causal (m = n), head dim 128, batch 4, 16 heads, n = 4096 (or argv[1]). One warpgroup a
-// block takes 64 queries: S = Q K^T with wgmma m64n64k16 (Q, K in shared memory), the online
+//   nvcc -std=c++17 -O3 --use_fast_math -DWARPGROUPS=2 -gencode=arch=compute_90a,code=sm_90a \
+//       scripts/hopper/attention_fwd_probe.cu -o attn && ./attn [n]
+// bf16, causal (m = n), head dim 128, batch 4, 16 heads, n = 4096 (or argv[1]). Each of a block's
+// WARPGROUPS warpgroups takes 64 queries (they share the block's K / V tiles): S = Q K^T with wgmma m64n64k16 (Q, K in shared memory), the online
 // softmax on the accumulators (mma.sync's per-warp layout), O += P V with wgmma m64n128k16 (P
 // from registers, V transposed from shared memory). K / V tiles of 64 keys, two cp.async stages.
 // Checks sampled rows against an f64 reference, then times the kernel (CUDA events, median).
@@ -16,7 +16,11 @@
 #include <random>
 #include <vector>
 
-constexpr int D = 128, BQ = 64, BK = 64, THREADS = 128;
+#ifndef WARPGROUPS
+#define WARPGROUPS 1
+#endif
+// WARPGROUPS warpgroups a block, each with its own 64 queries, sharing the block's K / V tiles.
+constexpr int WG = WARPGROUPS, D = 128, BQ = 64 * WG, BK = 64, THREADS = 128 * WG;
 constexpr int TILE_BYTES = 64 * D * 2;  // one 64 x 128 bf16 tile
 // Core-matrix layout of a 64 x D tile (no swizzle): 16-byte chunk c8 of row r at
 // (r / 8) * ROW_GROUP + c8 * 128 + (r % 8) * 16.
@@ -35,10 +39,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
 
 // Copies a 64 x D tile (rows row_stride apart) into the core-matrix layout: eight consecutive
 // threads fill one 128-byte core matrix (conflict-free shared stores).
+// (A warpgroup's 128 threads copy one tile: warpgroup w of the block takes tile w of `count`.)
 __device__ __forceinline__ void load_tile(uint32_t dst, const __nv_bfloat16* src, int64_t row_stride) {
 #pragma unroll
-    for (int i = 0; i < 64 * D / 8 / THREADS; ++i) {
-        const int idx = i * THREADS + threadIdx.x, r8 = idx % 8, rest = idx / 8, c8 = rest % (D / 8),
+    for (int i = 0; i < 64 * D / 8 / 128; ++i) {
+        const int idx = i * 128 + threadIdx.x % 128, r8 = idx % 8, rest = idx / 8, c8 = rest % (D / 8),
                   group = rest / (D / 8), r = group * 8 + r8;
         cp_async16(dst + group * ROW_GROUP + c8 * 128 + r8 * 16, src + r * row_stride + c8 * 8);
     }
@@ -87,31 +92,41 @@ __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q,
                                                           const __nv_bfloat16* v, __nv_bfloat16* out, int bh_count,
                                                           int n, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const uint32_t sq = smem_addr(smem), sk = sq + TILE_BYTES, sv = sk + 2 * TILE_BYTES;
-    const int tiles = n / BQ;
-    const int qt = tiles - 1 - blockIdx.x / bh_count, bh = blockIdx.x % bh_count;  // longest rows first
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int wg = threadIdx.x / 128;
+    const uint32_t sq = smem_addr(smem) + wg * TILE_BYTES, sk = smem_addr(smem) + WG * TILE_BYTES,
+                   sv = sk + 2 * TILE_BYTES;
+    const int blocks_per_head = n / BQ;
+    const int qb = blocks_per_head - 1 - blockIdx.x / bh_count, bh = blockIdx.x % bh_count;  // longest rows first
+    const int qt = qb * WG + wg;  // this warpgroup's 64-query tile
+    const int last_kt = qb * WG + WG - 1;  // the block's last key tile
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int64_t head = static_cast<int64_t>(bh) * n * D;
-    load_tile(sq, q + head + static_cast<int64_t>(qt) * BQ * D, D);
-    load_tile(sk, k + head, D);
-    load_tile(sv, v + head, D);
+    // Warpgroup w copies Q tile w; warpgroups 0 and (WG - 1) copy K and V.
+    load_tile(sq, q + head + static_cast<int64_t>(qt) * 64 * D, D);
+    if (wg == 0) load_tile(sk, k + head, D);
+    if (wg == WG - 1) load_tile(sv, v + head, D);
     asm volatile("cp.async.commit_group;\n" ::);
 
     float o[64], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    const int row0 = qt * BQ + warp * 16 + g;  // this lane's rows: row0, row0 + 8
-    for (int kt = 0; kt <= qt; ++kt) {
+    const int row0 = qt * 64 + warp * 16 + g;  // this lane's rows: row0, row0 + 8
+    for (int kt = 0; kt <= last_kt; ++kt) {
         const int stage = kt & 1;
-        if (kt < qt) {
-            load_tile(sk + (stage ^ 1) * TILE_BYTES, k + head + static_cast<int64_t>(kt + 1) * BK * D, D);
-            load_tile(sv + (stage ^ 1) * TILE_BYTES, v + head + static_cast<int64_t>(kt + 1) * BK * D, D);
+        if (kt < last_kt) {
+            if (wg == 0) load_tile(sk + (stage ^ 1) * TILE_BYTES, k + head + static_cast<int64_t>(kt + 1) * BK * D, D);
+            if (wg == WG - 1)
+                load_tile(sv + (stage ^ 1) * TILE_BYTES, v + head + static_cast<int64_t>(kt + 1) * BK * D, D);
         }
         asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
 
+        if (kt > qt) {  // past this warpgroup's diagonal: only the block's barriers
+            __syncthreads();
+            continue;
+        }
         float s[32];
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
@@ -201,7 +216,7 @@ int main(int argc, char** argv) {
     cudaMemcpy(v, hv.data(), elems * 2, cudaMemcpyHostToDevice);
     cudaMemset(o, 0xff, elems * 2);  // poison
     const float scale = 1.f / std::sqrt(static_cast<float>(D)), scale_log2 = scale * 1.4426950408889634f;
-    const int smem = 5 * TILE_BYTES;
+    const int smem = (WG + 4) * TILE_BYTES;
     cudaFuncSetAttribute(attention_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const dim3 grid(bh * (n / BQ));
     attention_fwd<<<grid, THREADS, smem>>>(q, k, v, o, bh, n, scale_log2);
@@ -257,6 +272,6 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     const double us = times[times.size() / 2];
     const double flops = 4.0 * bh * D * (static_cast<double>(n) * (n + 1) / 2);
-    std::printf("n %d: median %.1f us, %.1f TFLOP/s (causal, b 4 h 16 d 128 bf16)\n", n, us, flops / us * 1e-6);
+    std::printf("n %d, %d warpgroup(s) a block: median %.1f us, %.1f TFLOP/s (causal, b 4 h 16 d 128 bf16)\n", n, WG, us, flops / us * 1e-6);
     return (rel < 1e-2 && bad == 0) ? 0 : 1;
 }
