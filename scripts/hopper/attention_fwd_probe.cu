@@ -16,6 +16,9 @@
 #include <random>
 #include <vector>
 
+#ifndef PIPELINE
+#define PIPELINE 0
+#endif
 #ifndef WARPGROUPS
 #define WARPGROUPS 1
 #endif
@@ -87,6 +90,53 @@ __device__ __forceinline__ uint32_t pack(float x, float y) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The online softmax of one key tile's scores s (raw; the diagonal tile masked here), o rescaled,
+// and O += P V issued (not waited for) with V at shared address sv_tile.
+__device__ __forceinline__ void softmax_pv(float (&s)[32], float (&o)[64], float (&row_max)[2], float (&row_sum)[2],
+                                           int kt, int qt, int row0, int t, uint32_t sv_tile, float scale_log2) {
+    if (kt >= qt) {  // the diagonal tile (and past it): key j visible to query i iff j <= i
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int key = kt * BK + nt * 8 + 2 * t + (r & 1), row = row0 + (r >> 1) * 8;
+                if (key > row) s[nt * 4 + r] = -INFINITY;
+            }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float mx = row_max[half];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * half], s[nt * 4 + 2 * half + 1]) * scale_log2);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        alpha[half] = exp2f(row_max[half] - mx);
+        row_max[half] = mx;
+        row_sum[half] *= alpha[half];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(fmaf(s[nt * 4 + 2 * half + e], scale_log2, -mx));
+                s[nt * 4 + 2 * half + e] = p;
+                row_sum[half] += p;
+            }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) o[nt * 4 + r] *= alpha[r >> 1];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint32_t a[4] = {pack(s[8 * kk], s[8 * kk + 1]), pack(s[8 * kk + 2], s[8 * kk + 3]),
+                               pack(s[8 * kk + 4], s[8 * kk + 5]), pack(s[8 * kk + 6], s[8 * kk + 7])};
+        // V [key][d]: 16 keys a step are two 8-key core-matrix rows, ROW_GROUP bytes apart.
+        wgmma_o(o, a, desc(sv_tile + kk * 2 * ROW_GROUP, ROW_GROUP, 128));
+    }
+}
+
 // q, k, v, out: [bh, n, D] contiguous; causal, m = n.
 __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                           const __nv_bfloat16* v, __nv_bfloat16* out, int bh_count,
@@ -110,6 +160,54 @@ __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q,
     float o[64], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#if PIPELINE
+    const int row0 = qt * 64 + warp * 16 + g;  // this lane's rows: row0, row0 + 8
+    // K and V in separate two-slot rings: at step kt, K(kt + 1) and V(kt) are resident while
+    // K(kt + 2) and V(kt + 1) load. S(kt + 1) = Q K(kt + 1)^T is issued before the softmax of
+    // S(kt), so the tensor cores work while the softmax runs.
+    auto ks = [&](int slot) { return sk + slot * TILE_BYTES; };
+    auto vs = [&](int slot) { return sv + slot * TILE_BYTES; };
+    if (last_kt >= 1 && wg == 0) load_tile(ks(1), k + head + static_cast<int64_t>(BK) * D, D);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float s[32], s_next[32];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_s(s, desc(sq + kk * 256, 128, ROW_GROUP), desc(ks(0) + kk * 256, 128, ROW_GROUP), kk > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    // Every warpgroup runs the block's key tiles (one past its own diagonal for the first: masked
+    // to nothing), so that no wgmma sits on a path that differs between warpgroups.
+    auto step = [&](int kt, bool more) {
+        if (kt + 2 <= last_kt && wg == 0) load_tile(ks(kt & 1), k + head + static_cast<int64_t>(kt + 2) * BK * D, D);
+        if (kt + 1 <= last_kt && wg == WG - 1)
+            load_tile(vs((kt + 1) & 1), v + head + static_cast<int64_t>(kt + 1) * BK * D, D);
+        asm volatile("cp.async.commit_group;\n" ::);
+        if (more) {
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_s(s_next, desc(sq + kk * 256, 128, ROW_GROUP), desc(ks((kt + 1) & 1) + kk * 256, 128, ROW_GROUP),
+                        kk > 0);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        }
+        softmax_pv(s, o, row_max, row_sum, kt, qt, row0, t, vs(kt & 1), scale_log2);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        if (more) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = s_next[i];
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+    };
+    for (int kt = 0; kt < last_kt; ++kt) step(kt, true);
+    step(last_kt, false);
+#else
     const int row0 = qt * 64 + warp * 16 + g;  // this lane's rows: row0, row0 + 8
     for (int kt = 0; kt <= last_kt; ++kt) {
         const int stage = kt & 1;
@@ -136,51 +234,12 @@ __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q,
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
-        if (kt == qt) {  // the diagonal tile: key j visible to query i iff j <= i
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int key = kt * BK + nt * 8 + 2 * t + (r & 1), row = row0 + (r >> 1) * 8;
-                    if (key > row) s[nt * 4 + r] = -INFINITY;
-                }
-        }
-        float alpha[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float mx = row_max[half];
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * half], s[nt * 4 + 2 * half + 1]) * scale_log2);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            alpha[half] = exp2f(row_max[half] - mx);
-            row_max[half] = mx;
-            row_sum[half] *= alpha[half];
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(fmaf(s[nt * 4 + 2 * half + e], scale_log2, -mx));
-                    s[nt * 4 + 2 * half + e] = p;
-                    row_sum[half] += p;
-                }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) o[nt * 4 + r] *= alpha[r >> 1];
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            const uint32_t a[4] = {pack(s[8 * kk], s[8 * kk + 1]), pack(s[8 * kk + 2], s[8 * kk + 3]),
-                                   pack(s[8 * kk + 4], s[8 * kk + 5]), pack(s[8 * kk + 6], s[8 * kk + 7])};
-            // V [key][d]: 16 keys a step are two 8-key core-matrix rows, ROW_GROUP bytes apart.
-            wgmma_o(o, a, desc(sv + stage * TILE_BYTES + kk * 2 * ROW_GROUP, ROW_GROUP, 128));
-        }
+        softmax_pv(s, o, row_max, row_sum, kt, qt, row0, t, sv + stage * TILE_BYTES, scale_log2);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         __syncthreads();  // this stage's K / V are read before the next iteration overwrites them
     }
+#endif
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float sum = row_sum[half];
@@ -272,6 +331,6 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     const double us = times[times.size() / 2];
     const double flops = 4.0 * bh * D * (static_cast<double>(n) * (n + 1) / 2);
-    std::printf("n %d, %d warpgroup(s) a block: median %.1f us, %.1f TFLOP/s (causal, b 4 h 16 d 128 bf16)\n", n, WG, us, flops / us * 1e-6);
+    std::printf("n %d, %d warpgroup(s) a block, pipeline %d: median %.1f us, %.1f TFLOP/s (causal, b 4 h 16 d 128 bf16)\n", n, WG, PIPELINE, us, flops / us * 1e-6);
     return (rel < 1e-2 && bad == 0) ? 0 : 1;
 }
