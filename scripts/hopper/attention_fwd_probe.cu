@@ -1,12 +1,14 @@
 // A first Hopper (sm_90a) attention forward, outside the crate: how fast a plain wgmma kernel is
 // before warp specialisation, and whether the layouts of wgmma_probe.cu carry a whole kernel.
-//   nvcc -std=c++17 -O3 --use_fast_math -DWARPGROUPS=2 -gencode=arch=compute_90a,code=sm_90a \
-//       scripts/hopper/attention_fwd_probe.cu -o attn && ./attn [n]
+//   nvcc -std=c++17 -O3 --use_fast_math [-DWARPGROUPS=2] [-DPIPELINE=0] \
+//       -gencode=arch=compute_90a,code=sm_90a scripts/hopper/attention_fwd_probe.cu -o attn && ./attn [n]
 // bf16, causal (m = n), head dim 128, batch 4, 16 heads, n = 4096 (or argv[1]). Each of a block's
-// WARPGROUPS warpgroups takes 64 queries (they share the block's K / V tiles): S = Q K^T with wgmma m64n64k16 (Q, K in shared memory), the online
-// softmax on the accumulators (mma.sync's per-warp layout), O += P V with wgmma m64n128k16 (P
-// from registers, V transposed from shared memory). K / V tiles of 64 keys, two cp.async stages.
-// Checks sampled rows against an f64 reference, then times the kernel (CUDA events, median).
+// WARPGROUPS warpgroups takes 64 queries and they share the block's K / V tiles: S = Q K^T with
+// wgmma m64n64k16 (Q, K in shared memory), the online softmax on the accumulators (mma.sync's
+// per-warp layout), O += P V with wgmma m64n128k16 (P from registers, V transposed from shared
+// memory); K / V tiles of 64 keys, two cp.async stages. PIPELINE=1 issues S(kt + 1) before the
+// softmax of S(kt). Checks sampled rows against an f64 reference, then times the kernel (CUDA
+// events, median). Results: benches/results/h200-2026-11-24-s15-wgmma-attention-probe.log.
 #include <cuda_bf16.h>
 #include <algorithm>
 #include <cmath>
@@ -20,7 +22,7 @@
 #define PIPELINE 0
 #endif
 #ifndef WARPGROUPS
-#define WARPGROUPS 1
+#define WARPGROUPS 2
 #endif
 // WARPGROUPS warpgroups a block, each with its own 64 queries, sharing the block's K / V tiles.
 constexpr int WG = WARPGROUPS, D = 128, BQ = 64 * WG, BK = 64, THREADS = 128 * WG;
