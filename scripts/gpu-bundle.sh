@@ -220,6 +220,9 @@ cat > "$bundle/profile.sh" <<'PROFILE'
 # run with the given filters, and writes OUTDIR/profile.csv (one row per launch: gpu__time_duration).
 # NCU_ARGS replaces the metric list (e.g. NCU_ARGS="--set full -o OUTDIR/k" for a full report, then
 # `ncu --import OUTDIR/k.ncu-rep --page details --csv` or `--page source --print-source sass`).
+# SASS=1 instead takes the full set and writes two files: OUTDIR/raw.csv.xz (every metric) and
+# OUTDIR/source.csv.xz (per SASS instruction: executions, stall samples), which
+# scripts/ncu_sass_summary.py reads (instructions per opcode, the hottest straight-line runs).
 out=${1:?usage: profile.sh OUTDIR KERNEL_REGEX SKIP COUNT [filters...]}
 regex=$2 skip=$3 count=$4
 shift 4
@@ -228,9 +231,17 @@ work=$(mktemp -d)
 xz -dc "$(dirname "$0")/bin/bench-ops.xz" > "$work/bench" && chmod +x "$work/bench"
 source "$(dirname "$0")/libs.sh"
 ncu=$(command -v ncu || find /opt /usr/local -name ncu -type f 2>/dev/null | head -n1)
-"$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
-    ${NCU_ARGS:---metrics gpu__time_duration.sum --csv} "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"
-echo "profile.sh: ncu exit $?"
+if [ "${SASS:-0}" = 1 ]; then
+    "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
+        --set full --import-source no -o "$work/k" "$work/bench" "$@" > "$out/profile.err" 2>&1
+    echo "profile.sh: ncu exit $?"
+    "$ncu" --import "$work/k.ncu-rep" --page source --print-source sass --csv | xz -9 > "$out/source.csv.xz"
+    "$ncu" --import "$work/k.ncu-rep" --page raw --csv | xz -9 > "$out/raw.csv.xz"
+else
+    "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
+        ${NCU_ARGS:---metrics gpu__time_duration.sum --csv} "$work/bench" "$@" > "$out/profile.csv" 2> "$out/profile.err"
+    echo "profile.sh: ncu exit $?"
+fi
 rm -rf "$work"
 PROFILE
 chmod +x "$bundle/profile.sh"
