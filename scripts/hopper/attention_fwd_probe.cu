@@ -25,7 +25,7 @@
 #define WARPGROUPS 2
 #endif
 // WARPGROUPS warpgroups a block, each with its own 64 queries, sharing the block's K / V tiles.
-constexpr int WG = WARPGROUPS, D = 128, BQ = 64 * WG, BK = 64, THREADS = 128 * WG;
+constexpr int WG = WARPGROUPS, D = 128, BK = 64, THREADS = 128 * WG;
 constexpr int TILE_BYTES = 64 * D * 2;  // one 64 x 128 bf16 tile
 // Core-matrix layout of a 64 x D tile (no swizzle): 16-byte chunk c8 of row r at
 // (r / 8) * ROW_GROUP + c8 * 128 + (r % 8) * 16.
@@ -147,14 +147,15 @@ __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q,
     const int wg = threadIdx.x / 128;
     const uint32_t sq = smem_addr(smem) + wg * TILE_BYTES, sk = smem_addr(smem) + WG * TILE_BYTES,
                    sv = sk + 2 * TILE_BYTES;
-    const int blocks_per_head = n / BQ;
+    const int tiles = n / 64, blocks_per_head = (tiles + WG - 1) / WG;  // the last block may be partial
     const int qb = blocks_per_head - 1 - blockIdx.x / bh_count, bh = blockIdx.x % bh_count;  // longest rows first
     const int qt = qb * WG + wg;  // this warpgroup's 64-query tile
-    const int last_kt = qb * WG + WG - 1;  // the block's last key tile
+    const int last_kt = min(qb * WG + WG - 1, tiles - 1);  // the block's last key tile
+    const bool active = qt < tiles;                          // false past n (a partial last block)
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int64_t head = static_cast<int64_t>(bh) * n * D;
     // Warpgroup w copies Q tile w; warpgroups 0 and (WG - 1) copy K and V.
-    load_tile(sq, q + head + static_cast<int64_t>(qt) * 64 * D, D);
+    if (active) load_tile(sq, q + head + static_cast<int64_t>(qt) * 64 * D, D);
     if (wg == 0) load_tile(sk, k + head, D);
     if (wg == WG - 1) load_tile(sv, v + head, D);
     asm volatile("cp.async.commit_group;\n" ::);
@@ -242,6 +243,7 @@ __global__ void __launch_bounds__(THREADS) attention_fwd(const __nv_bfloat16* q,
         __syncthreads();  // this stage's K / V are read before the next iteration overwrites them
     }
 #endif
+    if (!active) return;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float sum = row_sum[half];
@@ -279,7 +281,7 @@ int main(int argc, char** argv) {
     const float scale = 1.f / std::sqrt(static_cast<float>(D)), scale_log2 = scale * 1.4426950408889634f;
     const int smem = (WG + 4) * TILE_BYTES;
     cudaFuncSetAttribute(attention_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    const dim3 grid(bh * (n / BQ));
+    const dim3 grid(bh * ((n / 64 + WG - 1) / WG));
     attention_fwd<<<grid, THREADS, smem>>>(q, k, v, o, bh, n, scale_log2);
     cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {
