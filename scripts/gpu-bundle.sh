@@ -100,6 +100,15 @@ for t in "$work"/test-*; do
     (cd "$here/../.." && "$t" ${TEST_FILTER:-} --test-threads=1) >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: $(basename "$t")"; }
     grep -E '^test result|SKIPPED|note:' "$out/tests.log" | tail -n 3
 done
+# The attention tests once through each forward (on compute capability 9.0 the default one is
+# the sm_90a or the portable kernel); KERNEL_PASSES=0 skips these passes.
+for kernels in sm90 portable; do
+    [ -e "$work/test-ops" ] && [ "${KERNEL_PASSES:-1}" != 0 ] || break
+    echo "=== test-ops attention:: (CANDLE_FASTOPS_ATTENTION_KERNELS=$kernels)" | tee -a "$out/tests.log"
+    (cd "$here/../.." && CANDLE_FASTOPS_ATTENTION_KERNELS=$kernels "$work/test-ops" attention:: --test-threads=1) \
+        >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: attention tests ($kernels)"; }
+    grep -E '^test result' "$out/tests.log" | tail -n 1
+done
 # The > 2^31-element tests (ignored by default: ~60 GB of GPU memory); SCALE=0 skips them.
 if [ -e "$work/test-ops" ] && [ "${SCALE:-1}" != 0 ]; then
     echo "=== test-ops --ignored scale::" | tee -a "$out/tests.log"

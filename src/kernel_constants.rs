@@ -94,6 +94,9 @@ pub mod attention {
     pub const ROW_PAD: usize = 8;
     /// Warps per block of the f32 kernels (a warp per query or key row).
     pub const ROW_WARPS: usize = 8;
+    /// Warpgroups (128 threads, 64 query rows each) per block of the Hopper forward; they share
+    /// the block's K / V tiles.
+    pub const HOPPER_WARPGROUPS: usize = 4;
     /// Mask kinds.
     pub const MASK_FULL: i32 = 0;
     pub const MASK_CAUSAL: i32 = 1;

@@ -31,6 +31,9 @@ for line in open(sys.argv[1]):
         module = None
 print("\n".join(out))
 PY
+# The kernel file's own headers (attention_common.cuh), beside it; their "common.cuh" then comes
+# from this directory (-I"$here"), the emulated one.
+cp "$root/src/cuda/attention_common.cuh" "$work/"
 sed 's/extern __shared__ uint4 shared_raw\[\];/uint4* shared_raw = reinterpret_cast<uint4*>(emu::smem);/' \
     "${KERNEL:-$root/src/cuda/attention.cu}" > "$work/attention_kernels.inc"
 g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -w ${EMU_FLAGS:-} -I"$here" -I"$work" "$here/attention_emu.cpp" -o "$work/attention_emu"

@@ -1,5 +1,6 @@
 //! The CUDA side of `masked_attention`: the kernels' argument structs, the mask's data on the
-//! device, and the launches (`src/cuda/attention.cu`).
+//! device, and the launches (`src/cuda/attention.cu`; the forward on compute capability 9.0 from
+//! `src/cuda/sm90/attention.cu`).
 //!
 //! f16 and bf16 run the tensor-core kernels, whose head dims are padded to 64, 128 or 256; f32
 //! runs the warp-per-row kernels. Operands must have unit column strides, head dims a multiple of
@@ -22,7 +23,7 @@ use candle_core::{
 };
 use std::ops::Deref;
 
-/// Mirrors `MaskArgs` in `src/cuda/attention.cu`.
+/// Mirrors `MaskArgs` in `src/cuda/attention_common.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct MaskArgs {
@@ -33,10 +34,10 @@ struct MaskArgs {
     kind: i32,
     doc_causal: i32,
 }
-// Mirrored by `MaskArgs` in src/cuda/attention.cu.
+// Mirrored by `MaskArgs` in src/cuda/attention_common.cuh.
 mirrored_struct!(MaskArgs, 64);
 
-/// Mirrors `AttentionArgs` in `src/cuda/attention.cu`.
+/// Mirrors `AttentionArgs` in `src/cuda/attention_common.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct AttentionArgs {
@@ -56,7 +57,7 @@ struct AttentionArgs {
     scale_log2: f32,
     mask: MaskArgs,
 }
-// Mirrored by `AttentionArgs` in src/cuda/attention.cu.
+// Mirrored by `AttentionArgs` in src/cuda/attention_common.cuh.
 mirrored_struct!(AttentionArgs, 216, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
@@ -366,6 +367,68 @@ impl Path {
     }
 }
 
+/// Which forward kernels run on compute capability 9.0: `CANDLE_FASTOPS_ATTENTION_KERNELS=portable`
+/// or `=sm90` picks one (the test suite runs both this way), otherwise [`HOPPER_FORWARD_DEFAULT`].
+/// Read once per process.
+fn hopper_forward_chosen() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(
+        || match std::env::var("CANDLE_FASTOPS_ATTENTION_KERNELS").as_deref() {
+            Ok("portable") => false,
+            Ok("sm90") => true,
+            _ => HOPPER_FORWARD_DEFAULT,
+        },
+    )
+}
+
+/// Whether the Hopper forward is the default on compute capability 9.0: only where it is the
+/// faster one (BENCHMARKS.md, "Hopper forward").
+const HOPPER_FORWARD_DEFAULT: bool = false;
+
+impl Path {
+    /// The head tile (64 or 128) of the Hopper forward (`src/cuda/sm90/attention.cu`) where it
+    /// runs the problem: f16 / bf16 with `max(d, dv) <= 128` on compute capability 9.0, when
+    /// [`hopper_forward_chosen`].
+    fn hopper_forward(self, dev: &CudaDevice) -> Result<Option<usize>> {
+        match self {
+            Path::TensorCores { head_tile } if head_tile <= 128 && hopper_forward_chosen() => {
+                Ok(crate::cuda::is_hopper(dev)?.then_some(head_tile))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// The Hopper forward kernel of a mask and head tile, and its launch: a block of
+/// `HOPPER_WARPGROUPS` warpgroups per `HOPPER_WARPGROUPS` query tiles of a (batch, head); shared
+/// memory for a Q tile per warpgroup and two stages of K and V tiles (64 rows of `head_tile`
+/// 16-bit elements each). Generated masks (full, causal, window) and masks with stored tile states
+/// (documents, dense) have a kernel each.
+fn hopper_forward_kernel<T: WithDType>(
+    dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
+) -> Result<(Kernel, LaunchConfig)> {
+    let warpgroups = C::HOPPER_WARPGROUPS;
+    let masks = if mask.args.kind <= C::MASK_WINDOW {
+        "generated"
+    } else {
+        "stored"
+    };
+    let kernel = Kernel::load_typed::<T>(
+        dev,
+        Module::AttentionSm90,
+        &["attention_fwd_sm90", masks, &format!("d{head_tile}")],
+    )?;
+    let shared = (warpgroups + 4) * 64 * head_tile * 2;
+    kernel.allow_dynamic_shared(shared)?;
+    let blocks = p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(warpgroups);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: ((128 * warpgroups) as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    Ok((kernel, cfg))
+}
+
 fn check_grid(p: &Problem) -> Result<()> {
     let blocks = (p.batch * p.heads * p.m.div_ceil(TILE_Q))
         .max(p.batch * p.kv_heads * p.n.div_ceil(TILE_K))
@@ -405,8 +468,13 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
     if p.batch * p.heads * p.m > 0 {
         let path = Path::of(p, T::DTYPE);
-        let kernel = path.kernel::<T>(dev, Pass::Forward)?;
-        let cfg = path.config(p, Pass::Forward, T::DTYPE.size_in_bytes());
+        let (kernel, cfg) = match path.hopper_forward(dev)? {
+            Some(head_tile) => hopper_forward_kernel::<T>(dev, p, mask, head_tile)?,
+            None => (
+                path.kernel::<T>(dev, Pass::Forward)?,
+                path.config(p, Pass::Forward, T::DTYPE.size_in_bytes()),
+            ),
+        };
         let a = args(p, mask, [ql, kl, vl]);
         let (qv, kv, vv) = (
             q.as_cuda_slice::<T>()?.slice(ql.start_offset()..),
@@ -416,7 +484,7 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
         let held = hold_all(mask);
         let views = mask_views(&held)?;
         // SAFETY: the arguments match `attention_fwd_*(q, k, v, out, lse, states, dense, ids,
-        // args)`. Every element read lies in the operands' layouts (rows below m or n, columns
+        // args)` (the Hopper kernels take the same). Every element read lies in the operands' layouts (rows below m or n, columns
         // below d or dv, by the layouts' strides) or in the mask's buffers (tile states of
         // [mb * mh or batch, row_tiles, col_tiles], dense bytes by their strides, ids of
         // [batch * seq]); the kernels write rows below m of `out` ([b, h, m, dv]) and `lse`.

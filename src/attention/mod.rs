@@ -3,7 +3,9 @@
 //! tiles it keeps whole taken without per-element masking.
 //!
 //! The CPU path runs rayon over tiles with the `gemm` crate for tile products; the CUDA path runs
-//! tensor-core kernels for f16 and bf16 and exact-f32 row kernels for f32 (`src/cuda/attention.cu`).
+//! tensor-core kernels for f16 and bf16 and exact-f32 row kernels for f32 (`src/cuda/attention.cu`),
+//! and on compute capability 9.0 the f16 / bf16 forward up to head dim 128 with `wgmma`
+//! (`src/cuda/sm90/attention.cu`).
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -55,7 +57,12 @@ pub struct AttentionOptions {
 ///   entirely are skipped.
 /// * CUDA: f16 and bf16 on tensor cores, f32 in exact f32 row kernels (correct, but far slower:
 ///   use bf16 for speed). The tensor-core kernels are built for head dims 64, 128 and 256; a head
-///   dim in between runs in the next one up at its cost (d = 96 costs what d = 128 does).
+///   dim in between runs in the next one up at its cost (d = 96 costs what d = 128 does). On
+///   compute capability 9.0 (H100, H200) the forward at head dims up to 128 can run Hopper
+///   kernels (`wgmma`) instead of the portable ones (`mma.sync`, sm_80 and up); the environment
+///   variable `CANDLE_FASTOPS_ATTENTION_KERNELS=sm90` or `=portable`, read once per process,
+///   picks one over the default. Both give the same results within the tolerances above; they
+///   are not bit-identical to each other.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -14,151 +14,16 @@
 // key tile, over the query tiles of every query head of its group): no atomics, identical bits run
 // to run. The fused backward (D = 128) computes delta in a row kernel, then dk / dv with each key
 // tile's share of dq added into an f32 buffer with atomics: five tile products instead of seven.
-#include "common.cuh"
+#include "attention_common.cuh"
 
 using namespace fastops;
-namespace AC = fastops_constants::attention;
 
 namespace {
 
-constexpr int BQ = AC::TILE_Q;
-constexpr int BK = AC::TILE_K;
 constexpr int THREADS = AC::WARPS * 32;
 constexpr int ROW_WARPS = AC::ROW_WARPS;
 static_assert(BQ == AC::WARPS * 16 && BK == AC::WARPS * 16, "a warp per 16 rows of a tile");
 static_assert(BK == 64, "a warp's score tile is 16 x 64: 8 accumulator tiles, 4 k-steps of P");
-constexpr uint8_t TILE_EMPTY = fastops_constants::matmul::TILE_EMPTY;
-constexpr uint8_t TILE_FULL = fastops_constants::matmul::TILE_FULL;
-constexpr uint8_t TILE_PARTIAL = fastops_constants::matmul::TILE_PARTIAL;
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-
-}  // namespace
-
-struct MaskArgs {
-    int64_t dense_strides[4];                         // batch, head, query, key (0 where broadcast)
-    int64_t states_batch_stride, states_head_stride;  // in tiles (0 where broadcast)
-    int64_t window;                                   // MASK_WINDOW: keys per query, at most m + n + 1
-    int32_t kind, doc_causal;
-};
-static_assert(sizeof(MaskArgs) == 64, "MaskArgs is mirrored by a Rust #[repr(C)] struct of 64 bytes");
-
-struct AttentionArgs {
-    int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, row (elements; columns are unit-stride)
-    int64_t batch, heads, kv_heads, m, n, d, dv;
-    int64_t row_tiles, col_tiles;                      // of 64 queries, of 64 keys
-    float scale, scale_log2;                           // scale, scale * log2(e) (> 0, see the host)
-    MaskArgs mask;
-};
-static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
-
-namespace {
-
-// Which keys each query sees, for one batch entry. Tile states come from the formula of a generated
-// mask or from the host's per-tile states (documents, dense); a tile that reaches past m or n is
-// never full, so a full tile needs no check at all.
-struct MaskView {
-    const AttentionArgs& a;
-    const uint8_t* states;
-    const uint8_t* dense;
-    const int64_t* ids;
-    int64_t b;
-
-    __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
-        const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
-        const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
-        const int64_t offset = a.n - a.m;
-        uint8_t state;
-        switch (a.mask.kind) {
-        case AC::MASK_FULL: state = TILE_FULL; break;
-        case AC::MASK_CAUSAL:
-            state = c0 > r1 + offset ? TILE_EMPTY : (c1 <= r0 + offset ? TILE_FULL : TILE_PARTIAL);
-            break;
-        case AC::MASK_WINDOW: {
-            const int64_t i0 = r0 + offset, i1 = r1 + offset, w = a.mask.window;
-            state = (c0 > i1 || c1 <= i0 - w) ? TILE_EMPTY : ((c1 <= i0 && c0 > i1 - w) ? TILE_FULL : TILE_PARTIAL);
-            break;
-        }
-        default:
-            state = states[b * a.mask.states_batch_stride + h * a.mask.states_head_stride + qt * a.col_tiles + kt];
-        }
-        if (state == TILE_FULL && (c0 + BK > a.n || r0 + BQ > a.m)) state = TILE_PARTIAL;
-        return state;
-    }
-
-    // Whether the mask is generated (full, causal, window): each query then sees one run of keys,
-    // and each key is seen by one run of queries.
-    __device__ __forceinline__ bool generated() const { return a.mask.kind <= AC::MASK_WINDOW; }
-
-    // Clamps the run [first, last] of a generated mask to the offsets [lo, hi] from base of a
-    // span of len (empty when lo > hi).
-    static __device__ __forceinline__ void clamp_run(int64_t first, int64_t last, int64_t base, int len, int& lo,
-                                                     int& hi) {
-        lo = static_cast<int>(max(min(first - base, static_cast<int64_t>(len)), static_cast<int64_t>(0)));
-        hi = static_cast<int>(max(min(last - base, static_cast<int64_t>(len) - 1), static_cast<int64_t>(-1)));
-    }
-
-    // For a generated mask: the keys j0 .. j0 + len - 1 that query i sees, as offsets [lo, hi].
-    __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
-        const int64_t pos = i + a.n - a.m;
-        const int64_t last = i >= a.m ? -1 : (a.mask.kind == AC::MASK_FULL ? a.n - 1 : min(pos, a.n - 1));
-        const int64_t first = a.mask.kind == AC::MASK_WINDOW ? pos - a.mask.window + 1 : 0;
-        clamp_run(first, last, j0, len, lo, hi);
-    }
-
-    // For a generated mask: the queries i0 .. i0 + len - 1 that see key j, as offsets [lo, hi].
-    __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
-        const int64_t shift = a.n - a.m;  // query i sits at key position i + shift
-        const int64_t first = a.mask.kind == AC::MASK_FULL ? 0 : max(j - shift, static_cast<int64_t>(0));
-        const int64_t last =
-            j >= a.n ? -1 : (a.mask.kind == AC::MASK_WINDOW ? min(j - shift + a.mask.window - 1, a.m - 1) : a.m - 1);
-        clamp_run(first, last, i0, len, lo, hi);
-    }
-
-    // For a generated mask: the key tiles [first, last] holding every key that a query of
-    // [i_first, i_last] sees (first > last when none). Tiles inside may still be empty.
-    __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
-        const int64_t shift = a.n - a.m;  // query i sits at key position i + shift
-        i_last = min(i_last, a.m - 1);
-        int64_t lo = 0, hi = a.n - 1;
-        if (a.mask.kind != AC::MASK_FULL) hi = min(hi, i_last + shift);
-        if (a.mask.kind == AC::MASK_WINDOW) lo = max(lo, i_first + shift - a.mask.window + 1);
-        first = lo / BK;
-        last = (i_first > i_last || lo > hi) ? first - 1 : hi / BK;
-    }
-
-    // For a generated mask: the query tiles [first, last] holding every query that sees a key of
-    // [j_first, j_last] (first > last when none). Tiles inside may still be empty.
-    __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
-                                                   int64_t& last) const {
-        const int64_t shift = a.n - a.m;
-        j_last = min(j_last, a.n - 1);
-        int64_t lo = 0, hi = a.m - 1;
-        if (a.mask.kind != AC::MASK_FULL) lo = max(lo, j_first - shift);
-        if (a.mask.kind == AC::MASK_WINDOW) hi = min(hi, j_last - shift + a.mask.window - 1);
-        first = lo / BQ;
-        last = (j_first > j_last || lo > hi) ? first - 1 : hi / BQ;
-    }
-
-    // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
-    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const {
-        if (i >= a.m || j >= a.n) return false;
-        const int64_t pos = i + a.n - a.m;
-        switch (a.mask.kind) {
-        case AC::MASK_FULL: return true;
-        case AC::MASK_CAUSAL: return j <= pos;
-        case AC::MASK_WINDOW: return j <= pos && pos - j < a.mask.window;
-        case AC::MASK_DOCUMENTS: {
-            const int64_t* row = ids + b * a.m;
-            return row[i] == row[j] && (!a.mask.doc_causal || j <= i);
-        }
-        default: {
-            const int64_t* s = a.mask.dense_strides;
-            return dense[b * s[0] + h * s[1] + i * s[2] + j * s[3]] != 0;
-        }
-        }
-    }
-};
 
 // The backward kernels' operands, in the order of their one argument list. dq_accum (f32
 // [b, h, row_tiles * TILE_Q, D], zeroed by the host) takes the fused pass's dq; a pass leaves
@@ -384,15 +249,6 @@ __device__ __forceinline__ void store_rows(T* out, const float (&acc)[N / 8][4],
     }
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 enum class Pass { Forward, Dq, Dkdv };
 
 // Mask tiles of 64 queries per block of the query-tile kernels (forward, dq): two up to D = 128,
@@ -440,27 +296,6 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
     cp_async_wait<0>();
 }
 
-// The first item in (item, end) for which live(item) holds (end when none), the lanes of a warp
-// testing 32 items at a time. Every lane of the warp must call it, with the same arguments; it
-// replaces a serial walk whose every step waits on a load of the mask's tile states.
-template <class Live>
-__device__ __forceinline__ int64_t next_live(int64_t item, int64_t end, Live&& live) {
-    const int lane = threadIdx.x & 31;
-    for (int64_t base = item + 1; base < end; base += 32) {
-        const int64_t candidate = base + lane;
-        const unsigned found = __ballot_sync(0xffffffffu, candidate < end && live(candidate));
-        if (found) return base + __ffs(found) - 1;
-    }
-    return end;
-}
-
-// How far (log2 units) a score may pass its row's exponent reference in the forward before the
-// reference moves: probabilities stay below 2^RESCALE_SLACK before normalisation (exact in f32;
-// 16-bit P keeps its relative precision), and o is rescaled only when a reference moves.
-#ifndef FASTOPS_RESCALE_SLACK
-#define FASTOPS_RESCALE_SLACK 8.0f
-#endif
-constexpr float RESCALE_SLACK = FASTOPS_RESCALE_SLACK;
 
 // Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
 // 16 MF x KEY_CHUNK.

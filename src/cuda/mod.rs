@@ -11,6 +11,7 @@ pub(crate) mod locks;
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+    include!(concat!(env!("OUT_DIR"), "/ptx_sm90.rs"));
 }
 
 /// The kernel names each module's PTX defines, read from the PTX by `build.rs`.
@@ -29,6 +30,9 @@ pub(crate) enum Module {
     Matmul,
     TileSummary,
     Attention,
+    /// `src/cuda/sm90/attention.cu`: PTX for `compute_90a`, loadable on compute capability 9.0
+    /// only ([`is_hopper`]).
+    AttentionSm90,
 }
 
 impl Module {
@@ -41,6 +45,7 @@ impl Module {
             Module::Matmul => "candle_fastops_matmul",
             Module::TileSummary => "candle_fastops_tile_summary",
             Module::Attention => "candle_fastops_attention",
+            Module::AttentionSm90 => "candle_fastops_attention_sm90",
         }
     }
 
@@ -53,6 +58,7 @@ impl Module {
             Module::Matmul => entries::MATMUL,
             Module::TileSummary => entries::TILE_SUMMARY,
             Module::Attention => entries::ATTENTION,
+            Module::AttentionSm90 => entries::SM90_ATTENTION,
         }
     }
 
@@ -65,6 +71,7 @@ impl Module {
             Module::Matmul => ptx::MATMUL,
             Module::TileSummary => ptx::TILE_SUMMARY,
             Module::Attention => ptx::ATTENTION,
+            Module::AttentionSm90 => ptx::SM90_ATTENTION,
         }
     }
 }
@@ -229,6 +236,16 @@ pub(crate) fn sm_count(dev: &CudaDevice) -> Result<u32> {
 pub(crate) fn l2_bytes(dev: &CudaDevice) -> Result<usize> {
     use driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE as L2;
     Ok(device_attribute(dev, L2)?.max(0) as usize)
+}
+
+/// Whether the device is compute capability 9.0 (H100, H200), the one GPU the `compute_90a` PTX
+/// of [`Module::AttentionSm90`] loads on.
+pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+    use driver::sys::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
+    };
+    Ok(device_attribute(dev, MAJOR)? == 9 && device_attribute(dev, MINOR)? == 0)
 }
 
 fn device_attribute(dev: &CudaDevice, attribute: driver::sys::CUdevice_attribute) -> Result<i32> {

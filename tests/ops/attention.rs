@@ -297,40 +297,42 @@ fn every_dtype_shape_and_layout() -> Result<()> {
                 )?;
             }
         }
-        // m < n (decoding with a cache) and m > n (early queries see nothing), bottom-right.
-        check(
-            (2, 2, 1, 5, 200, 32, 32),
-            &Spec::Causal,
-            DType::F32,
-            dev,
-            Views::Plain,
-            "m < n",
-        )?;
-        check(
-            (1, 2, 2, 150, 7, 8, 8),
-            &Spec::Causal,
-            DType::F32,
-            dev,
-            Views::Plain,
-            "m > n",
-        )?;
-        check(
-            (1, 2, 2, 67, 300, 8, 8),
-            &Spec::Window(50),
-            DType::F32,
-            dev,
-            Views::Plain,
-            "window m < n",
-        )?;
-        // Grouped-query heads, one kv head for eight query heads, strided views of projections.
-        check(
-            (2, 8, 1, 65, 65, 16, 16),
-            &Spec::Full,
-            DType::F32,
-            dev,
-            Views::Packed,
-            "gqa packed",
-        )?;
+        for dtype in attention_dtypes(dev) {
+            // m < n (decoding with a cache) and m > n (early queries see nothing), bottom-right.
+            check(
+                (2, 2, 1, 5, 200, 32, 32),
+                &Spec::Causal,
+                dtype,
+                dev,
+                Views::Plain,
+                "m < n",
+            )?;
+            check(
+                (1, 2, 2, 150, 7, 8, 8),
+                &Spec::Causal,
+                dtype,
+                dev,
+                Views::Plain,
+                "m > n",
+            )?;
+            check(
+                (1, 2, 2, 67, 300, 8, 8),
+                &Spec::Window(50),
+                dtype,
+                dev,
+                Views::Plain,
+                "window m < n",
+            )?;
+            // Grouped-query heads, one kv head for eight query heads, strided views of projections.
+            check(
+                (2, 8, 1, 65, 65, 16, 16),
+                &Spec::Full,
+                dtype,
+                dev,
+                Views::Packed,
+                "gqa packed",
+            )?;
+        }
         check(
             (1, 4, 2, 97, 97, 64, 64),
             &Spec::Causal,
@@ -354,6 +356,69 @@ fn every_dtype_shape_and_layout() -> Result<()> {
                 dev,
                 Views::Plain,
                 &format!("{dims:?}"),
+            )?;
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// Sequences of several blocks of query tiles (the Hopper forward takes four tiles of 64 queries
+/// a block, the portable one two), a ragged last tile, every mask kind, both fast head dims and
+/// d != dv below them, in the 16-bit types (f32 where those have no tensor-core kernels).
+#[test]
+fn long_sequences_every_mask() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, m) = (2, 389);
+        let specs = [
+            ("causal", Spec::Causal),
+            ("full", Spec::Full),
+            ("window 100", Spec::Window(100)),
+            (
+                "documents causal",
+                Spec::Documents(documents(b, m, 21), true),
+            ),
+            (
+                "dense [b, m, n]",
+                Spec::Dense(random_bytes(b * m * m, 0.4, 22), [b, 1, m, m], 3),
+            ),
+        ];
+        let dtypes = if dev.is_cuda() {
+            vec![DType::BF16, DType::F16]
+        } else {
+            vec![DType::F32]
+        };
+        for (name, spec) in &specs {
+            for dtype in &dtypes {
+                for (d, dv) in [(128, 128), (64, 64), (40, 72)] {
+                    check(
+                        (b, 2, 1, m, m, d, dv),
+                        spec,
+                        *dtype,
+                        dev,
+                        Views::Plain,
+                        &format!("{name} d {d} dv {dv}"),
+                    )?;
+                }
+            }
+        }
+        // m < n across blocks (a cache of 700 keys), causal and window.
+        for dtype in &dtypes {
+            check(
+                (1, 2, 2, 300, 700, 128, 128),
+                &Spec::Causal,
+                *dtype,
+                dev,
+                Views::Plain,
+                "causal m < n",
+            )?;
+            check(
+                (1, 2, 2, 300, 700, 64, 64),
+                &Spec::Window(333),
+                *dtype,
+                dev,
+                Views::Plain,
+                "window m < n",
             )?;
         }
         Ok(())
