@@ -94,9 +94,15 @@ pub mod attention {
     pub const ROW_PAD: usize = 8;
     /// Warps per block of the f32 kernels (a warp per query or key row).
     pub const ROW_WARPS: usize = 8;
-    /// Warpgroups (128 threads, 64 query rows each) per block of the Hopper forward; they share
-    /// the block's K / V tiles.
-    pub const HOPPER_WARPGROUPS: usize = 4;
+    /// The Hopper forward's block: a producer warpgroup and this many consumer warpgroups (128
+    /// threads, a mask tile of 64 queries each), which share the block's K / V tiles.
+    pub const HOPPER_CONSUMERS: usize = 2;
+    /// Shared-memory stages of K / V tiles in the Hopper forward, at head tiles 64 and 128 (as
+    /// many as fit: the copies of a stage start only once both consumers are done with it).
+    pub const HOPPER_STAGES_D64: usize = 8;
+    pub const HOPPER_STAGES_D128: usize = 6;
+    /// Bytes before the Hopper forward's tiles in shared memory (its mbarriers).
+    pub const HOPPER_BARRIER_BYTES: usize = 1024;
     /// Mask kinds.
     pub const MASK_FULL: i32 = 0;
     pub const MASK_CAUSAL: i32 = 1;

@@ -14,7 +14,7 @@ use crate::dispatch::with_float_cuda_type;
 use crate::kernel_constants::attention as C;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    self, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaDType;
 use candle_core::op::BackpropOp;
@@ -399,15 +399,15 @@ impl Path {
     }
 }
 
-/// The Hopper forward kernel of a mask and head tile, and its launch: a block of
-/// `HOPPER_WARPGROUPS` warpgroups per `HOPPER_WARPGROUPS` query tiles of a (batch, head); shared
-/// memory for a Q tile per warpgroup and two stages of K and V tiles (64 rows of `head_tile`
-/// 16-bit elements each). Generated masks (full, causal, window) and masks with stored tile states
-/// (documents, dense) have a kernel each.
+/// The Hopper forward kernel of a mask and head tile, and its launch: a block of a producer
+/// warpgroup and `HOPPER_CONSUMERS` consumer warpgroups per `HOPPER_CONSUMERS` query tiles of a
+/// (batch, head); shared memory for its mbarriers, a Q tile per consumer and `HOPPER_STAGES`
+/// stages (`HOPPER_STAGES_D*`) of a K and a V tile (64 rows of `head_tile` 16-bit elements each). Generated masks
+/// (full, causal, window) and masks with stored tile states (documents, dense) have a kernel each.
 fn hopper_forward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
-    let warpgroups = C::HOPPER_WARPGROUPS;
+    let consumers = C::HOPPER_CONSUMERS;
     let masks = if mask.args.kind <= C::MASK_WINDOW {
         "generated"
     } else {
@@ -418,15 +418,100 @@ fn hopper_forward_kernel<T: WithDType>(
         Module::AttentionSm90,
         &["attention_fwd_sm90", masks, &format!("d{head_tile}")],
     )?;
-    let shared = (warpgroups + 4) * 64 * head_tile * 2;
+    let tile = 64 * head_tile * 2;
+    let stages = if head_tile == 64 {
+        C::HOPPER_STAGES_D64
+    } else {
+        C::HOPPER_STAGES_D128
+    };
+    let shared = C::HOPPER_BARRIER_BYTES + (consumers + 2 * stages) * tile;
     kernel.allow_dynamic_shared(shared)?;
-    let blocks = p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(warpgroups);
+    let blocks = p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(consumers);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: ((128 * warpgroups) as u32, 1, 1),
+        block_dim: ((128 * (consumers + 1)) as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     };
     Ok((kernel, cfg))
+}
+
+/// A TMA descriptor (the driver's `CUtensorMap`) as a kernel argument; mirrored by `TensorMap`
+/// in `src/cuda/sm90/attention.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TensorMap(driver::sys::CUtensorMap);
+// SAFETY: a plain 128-byte value the kernel takes by value (a `__grid_constant__` parameter).
+unsafe impl DeviceRepr for TensorMap {}
+const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
+
+impl TensorMap {
+    /// The map of a k or v operand (`[batch, kv_heads, n, cols]` at `ptr`, 16-bit elements, rows
+    /// and heads 16-byte aligned) that the Hopper forward copies key tiles through: dims (8
+    /// elements, rows, 16-byte chunks, kv heads, batch) and a box of (8, 64, head_tile / 8), so
+    /// that a tile lands chunk-major (the K-major core-matrix layout) with zeros past n and cols.
+    /// `None` where TMA cannot describe the layout (a zero stride on a dim of several entries).
+    fn kv_tiles<T: WithDType>(
+        ptr: u64, p: &Problem, cols: usize, layout: &Layout, head_tile: usize,
+    ) -> Result<Option<TensorMap>> {
+        use driver::sys::{
+            CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
+            CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as Promotion,
+            CUtensorMapSwizzle as Swizzle,
+        };
+        let elem = T::DTYPE.size_in_bytes();
+        let data_type = match T::DTYPE {
+            DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            _ => bail!("{OP}: internal error, a TMA map of {:?}", T::DTYPE),
+        };
+        let strides = layout.stride();
+        let dims = [p.batch, p.kv_heads, p.n];
+        // A dim of one entry: any stride does (TMA wants a multiple of 16 bytes).
+        let stride = |i: usize| {
+            if dims[i] <= 1 {
+                16
+            } else {
+                (strides[i] * elem) as u64
+            }
+        };
+        if (0..3).any(|i| stride(i) == 0) {
+            return Ok(None);
+        }
+        let global_dim: [u64; 5] = [
+            8,
+            p.n.max(1) as u64,
+            (cols / 8).max(1) as u64,
+            p.kv_heads as u64,
+            p.batch as u64,
+        ];
+        let global_strides: [u64; 4] = [stride(2), 16, stride(1), stride(0)];
+        let box_dim: [u32; 5] = [8, TILE_K as u32, (head_tile / 8) as u32, 1, 1];
+        let element_strides = [1u32; 5];
+        let mut map = std::mem::MaybeUninit::<driver::sys::CUtensorMap>::uninit();
+        // SAFETY: every array holds the rank (5) or rank - 1 entries the driver reads; `map` is
+        // written by the call before it is read.
+        let status = unsafe {
+            driver::sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                data_type,
+                5,
+                ptr as *mut std::ffi::c_void,
+                global_dim.as_ptr(),
+                global_strides.as_ptr(),
+                box_dim.as_ptr(),
+                element_strides.as_ptr(),
+                Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+                Promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if status != driver::sys::CUresult::CUDA_SUCCESS {
+            bail!("{OP}: encoding a TMA map of k / v failed ({status:?}; dims {global_dim:?}, strides {global_strides:?})");
+        }
+        // SAFETY: written by the successful call above.
+        Ok(Some(TensorMap(unsafe { map.assume_init() })))
+    }
 }
 
 fn check_grid(p: &Problem) -> Result<()> {
@@ -468,13 +553,6 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
     if p.batch * p.heads * p.m > 0 {
         let path = Path::of(p, T::DTYPE);
-        let (kernel, cfg) = match path.hopper_forward(dev)? {
-            Some(head_tile) => hopper_forward_kernel::<T>(dev, p, mask, head_tile)?,
-            None => (
-                path.kernel::<T>(dev, Pass::Forward)?,
-                path.config(p, Pass::Forward, T::DTYPE.size_in_bytes()),
-            ),
-        };
         let a = args(p, mask, [ql, kl, vl]);
         let (qv, kv, vv) = (
             q.as_cuda_slice::<T>()?.slice(ql.start_offset()..),
@@ -483,17 +561,53 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
         );
         let held = hold_all(mask);
         let views = mask_views(&held)?;
-        // SAFETY: the arguments match `attention_fwd_*(q, k, v, out, lse, states, dense, ids,
-        // args)` (the Hopper kernels take the same). Every element read lies in the operands' layouts (rows below m or n, columns
-        // below d or dv, by the layouts' strides) or in the mask's buffers (tile states of
-        // [mb * mh or batch, row_tiles, col_tiles], dense bytes by their strides, ids of
-        // [batch * seq]); the kernels write rows below m of `out` ([b, h, m, dv]) and `lse`.
-        unsafe {
-            kernel.launch(cfg, |a_| {
-                a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(lse);
-                views.push(a_);
-                a_.arg(&a);
-            })?;
+        let hopper = match path.hopper_forward(dev)? {
+            Some(head_tile) => {
+                let stream = dev.cuda_stream();
+                let (k_ptr, _k_sync) = kv.device_ptr(&stream);
+                let (v_ptr, _v_sync) = vv.device_ptr(&stream);
+                let maps = (
+                    TensorMap::kv_tiles::<T>(k_ptr, p, p.d, kl, head_tile)?,
+                    TensorMap::kv_tiles::<T>(v_ptr, p, p.dv, vl, head_tile)?,
+                );
+                match maps {
+                    (Some(k_map), Some(v_map)) => {
+                        let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, mask, head_tile)?;
+                        // SAFETY: the arguments match `attention_fwd_sm90_*(q, k_map, v_map,
+                        // out, lse, states, dense, ids, args)`. The kernel reads q, the mask's
+                        // buffers and writes out and lse as the portable forward below does; k
+                        // and v are read through the maps, which cover exactly their layouts
+                        // (the TMA unit returns zeros outside them).
+                        unsafe {
+                            kernel.launch(cfg, |a_| {
+                                a_.arg(&qv).arg(&k_map).arg(&v_map).arg(&out).arg(lse);
+                                views.push(a_);
+                                a_.arg(&a);
+                            })?;
+                        }
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            None => false,
+        };
+        if !hopper {
+            let kernel = path.kernel::<T>(dev, Pass::Forward)?;
+            let cfg = path.config(p, Pass::Forward, T::DTYPE.size_in_bytes());
+            // SAFETY: the arguments match `attention_fwd_*(q, k, v, out, lse, states, dense,
+            // ids, args)`. Every element read lies in the operands' layouts (rows below m or n,
+            // columns below d or dv, by the layouts' strides) or in the mask's buffers (tile
+            // states of [mb * mh or batch, row_tiles, col_tiles], dense bytes by their strides,
+            // ids of [batch * seq]); the kernels write rows below m of `out` ([b, h, m, dv]) and
+            // `lse`.
+            unsafe {
+                kernel.launch(cfg, |a_| {
+                    a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(lse);
+                    views.push(a_);
+                    a_.arg(&a);
+                })?;
+            }
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

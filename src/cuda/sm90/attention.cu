@@ -5,12 +5,15 @@
 // the natural log-sum-exp [b, h, m], f32 softmax statistics, probabilities rounded to the operand
 // type before P V, a row that sees no key gives zeros and -inf.
 //
-// A block has HOPPER_WARPGROUPS warpgroups; warpgroup w takes mask tile qt0 + w (64 queries, a
-// warp 16 rows) and they share the block's K / V tiles of 64 keys, streamed through two cp.async
-// stages over the key tiles any of the block's query tiles sees (tile states as in MaskView). Per
-// key tile a warpgroup with a non-empty tile computes S = Q Kᵀ (wgmma m64n64k16, both operands from
-// shared memory), masks a partial tile entry by entry, runs the online softmax on the accumulators
-// and issues O += P V (wgmma m64nDk16, P from registers, V transposed from shared memory). Head
+// A block is a producer warpgroup and HOPPER_CONSUMERS (2) consumer warpgroups, each consumer
+// with its own mask tile of 64 queries (a warp 16 rows); they share the block's K / V tiles of 64
+// keys, which the producer streams with cp.async through HOPPER_STAGES shared stages over the key
+// tiles any of the block's query tiles sees (tile states as in MaskView), with mbarriers saying
+// when a stage is full and when every consumer is done with it. The consumers take turns at the
+// tensor cores (FlashAttention-3's ping-pong): in its turn a consumer issues S = Q Kᵀ of its
+// current key tile (wgmma m64n64k16, both operands from shared memory) and O += P V of the
+// previous one (wgmma m64nDk16, P from registers, V transposed from shared memory), then runs the
+// mask and the online softmax of the current tile while the other consumer's products run. Head
 // dims are zero-padded to D (64 or 128) in shared memory. Shared tiles use the no-swizzle
 // core-matrix layout: the 16-byte chunk c of row r of a 64 x D tile sits at
 // (r / 8) * ROW_GROUP + c * 128 + (r % 8) * 16 bytes, ROW_GROUP = D / 8 * 128 (layouts and
@@ -21,11 +24,14 @@ using namespace fastops;
 
 namespace {
 
-constexpr int WARPGROUPS = AC::HOPPER_WARPGROUPS;
-constexpr int THREADS = 128 * WARPGROUPS;
+constexpr int CONSUMERS = AC::HOPPER_CONSUMERS;  // warpgroups with a mask tile of 64 queries each
+constexpr int BARRIER_BYTES = AC::HOPPER_BARRIER_BYTES;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
 static_assert(BQ == 64 && BK == 64, "a warpgroup's wgmma tile is 64 queries x 64 keys");
 
 template <int D> struct TileLayout {
+    static constexpr int STAGES = D == 64 ? AC::HOPPER_STAGES_D64 : AC::HOPPER_STAGES_D128;  // K / V stages
+    static_assert(16 * STAGES <= BARRIER_BYTES, "the mbarriers fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;        // one 64 x D tile of 16-bit elements
     static constexpr int ROW_GROUP = D / 8 * 128;   // bytes between 8-row groups
     static constexpr int CHUNKS = D / 8;            // 16-byte chunks per row
@@ -101,7 +107,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[N / 2], const uint32_t (&p)[
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Makes this thread's completed cp.async writes to shared memory visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -111,36 +116,96 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y
     return r;
 }
 
-// GENERATED: the mask is full, causal or a window (its tiles and runs in closed form); otherwise
-// it has tile states and entries in memory (documents, dense). Two instances, so that neither
-// carries the other's registers.
-template <typename T, int D, bool GENERATED>
-__device__ __forceinline__ void forward_wgmma(const T* __restrict__ q, const T* __restrict__ k,
-                                              const T* __restrict__ v, T* __restrict__ out, float* __restrict__ lse,
-                                              const uint8_t* states, const uint8_t* dense, const int64_t* ids,
-                                              const AttentionArgs& a) {
-    using L = TileLayout<D>;
-    extern __shared__ __align__(128) unsigned char shared_raw[];
-    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    // WARPGROUPS Q tiles, then two stages of K, then two of V.
-    const uint32_t sq = shared_address(shared_raw) + wg * L::BYTES;
-    const uint32_t sk = shared_address(shared_raw) + WARPGROUPS * L::BYTES, sv = sk + 2 * L::BYTES;
+// mbarriers (shared memory, 8 bytes each) and named barriers.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Waits until the phase of parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_LOOP:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_LOOP;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on the mbarrier (one of its count) and adds `bytes` to the transaction bytes it waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 
-    // The block: batch entry b, head h, query tiles qt0 .. qt0 + WARPGROUPS - 1 (the longest rows
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__
+// kernel parameter; mirrored by `TensorMap` in src/attention/cuda.rs.
+struct alignas(64) TensorMap {
+    uint64_t opaque[16];
+};
+static_assert(sizeof(TensorMap) == 128, "TensorMap is mirrored by a Rust struct of 128 bytes");
+
+// The TMA copy of the box at coordinates c0 .. c4 of a 5-d tensor map into shared memory at dst,
+// completing (its bytes) on the mbarrier; elements past the tensor's bounds arrive as zeros.
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+        "%6}], [%7];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
+// TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
+constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
+
+// The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
+// tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 5-d maps
+// of (8 elements, rows, 16-byte chunks, kv heads, batch) whose box of (8, 64, D / 8) lands as a
+// K-major core-matrix tile, chunk c of row r at c * 1024 + r * 16 bytes, zeros past n and d),
+// completing on the stage's `full` mbarrier, and reuses a stage once every consumer warp has
+// released it (`empty`). Warpgroups 1 .. CONSUMERS consume: each owns one mask tile of 64 queries. They
+// take turns at the tensor cores (named barriers, in ping-pong): in its turn a consumer issues
+// S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
+// runs the mask and the online softmax of the current tile while the other consumer's products
+// run. GENERATED: the mask is full, causal or a window (its tiles and runs in closed form);
+// otherwise it has tile states and entries in memory (documents, dense).
+template <typename T, int D, bool GENERATED>
+__device__ __forceinline__ void forward_ws(const T* __restrict__ q, const TensorMap* k_map, const TensorMap* v_map,
+                                           T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
+                                           const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+    using L = TileLayout<D>;
+    constexpr int STAGES = L::STAGES;
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    // [full mbarriers | empty mbarriers | ... ] then, from 1024, CONSUMERS Q tiles and STAGES
+    // stages of a K tile followed by a V tile.
+    const uint32_t base = shared_address(shared_raw);
+    const uint32_t full_bar = base, empty_bar = base + 8 * STAGES;
+    const uint32_t q_tiles = base + BARRIER_BYTES, kv_stages = q_tiles + CONSUMERS * L::BYTES;
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+    // The block: batch entry b, head h, query tiles qt0 .. qt0 + CONSUMERS - 1 (the longest rows
     // first, for causal masks).
     const int64_t heads_total = a.batch * a.heads, block = blockIdx.x;
-    const int64_t row_blocks = (a.row_tiles + WARPGROUPS - 1) / WARPGROUPS;
-    const int64_t qt0 = (row_blocks - 1 - block / heads_total) * WARPGROUPS, bh = block % heads_total;
+    const int64_t row_blocks = (a.row_tiles + CONSUMERS - 1) / CONSUMERS;
+    const int64_t qt0 = (row_blocks - 1 - block / heads_total) * CONSUMERS, bh = block % heads_total;
     const int64_t b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const int64_t qt = qt0 + wg;
-    const bool active = qt < a.row_tiles;  // false past the last query tile (a partial block)
     const MaskView mask{a, states, dense, ids, b};
-    const int64_t i0 = qt0 * BQ, block_rows = min(static_cast<int64_t>(BQ * WARPGROUPS), a.m - i0);
+    const int64_t i0 = qt0 * BQ, block_rows = min(static_cast<int64_t>(BQ * CONSUMERS), a.m - i0);
     int64_t kt_first = 0, kt_last = a.col_tiles - 1;
     if constexpr (GENERATED) mask.key_tiles(i0, i0 + block_rows - 1, kt_first, kt_last);
     // The first key tile after kt that any query tile of the block sees (col_tiles when none);
-    // called by every thread with the same kt.
+    // producer and consumers walk the same tiles, every thread with the same kt.
     auto next = [&](int64_t kt) -> int64_t {
         if constexpr (GENERATED) {
             const int64_t c = max(kt + 1, kt_first);
@@ -149,133 +214,205 @@ __device__ __forceinline__ void forward_wgmma(const T* __restrict__ q, const T* 
         return next_live(kt, a.col_tiles, [&](int64_t c) {
             bool live = false;
 #pragma unroll
-            for (int w = 0; w < WARPGROUPS; ++w)
+            for (int w = 0; w < CONSUMERS; ++w)
                 live |= qt0 + w < a.row_tiles && mask.tile_state(h, qt0 + w, c) != TILE_EMPTY;
             return live;
         });
     };
-    // Warpgroup 0 copies K, the last warpgroup V (addresses recomputed from the arguments at
-    // each copy: nothing of them stays live in registers across the softmax).
-    auto load_kv = [&](int64_t kt, int stage) {
-        const int64_t j0 = kt * BK;
-        const int keys = static_cast<int>(min(static_cast<int64_t>(BK), a.n - j0));
-        if (wg == 0)
-            load_tile<T, D>(sk + stage * L::BYTES, k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2],
-                            a.k_strides[2], keys, a.d, tid);
-        if (wg == WARPGROUPS - 1)
-            load_tile<T, D>(sv + stage * L::BYTES, v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2],
-                            a.v_strides[2], keys, a.dv, tid);
-    };
 
-    if (active)
-        load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + qt * BQ * a.q_strides[2], a.q_strides[2],
-                        static_cast<int>(min(static_cast<int64_t>(BQ), a.m - qt * BQ)), a.d, tid);
-    int64_t kt = next(-1);
-    if (kt < a.col_tiles) load_kv(kt, 0);
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < STAGES; ++st) {
+            mbarrier_init(full_bar + 8 * st, 1);
+            mbarrier_init(empty_bar + 8 * st, CONSUMERS * 4);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // The producer: tile i of the walk into stage i % STAGES, once the consumers have
+        // released that stage's previous tile (i - STAGES). Warp 0 walks the tiles (next_live
+        // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do.
+        if (tid >= 32) return;
+        int i = 0;
+        for (int64_t kt = next(-1); kt < a.col_tiles; kt = next(kt), ++i) {
+            const int stage = i % STAGES;
+            if (tid == 0) {
+                if (i >= STAGES) mbarrier_wait(empty_bar + 8 * stage, ((i / STAGES) & 1) ^ 1);
+                const uint32_t sk = kv_stages + stage * 2 * L::BYTES, bar = full_bar + 8 * stage;
+                const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
+                mbarrier_arrive_expect_tx(bar, 2 * L::BYTES);
+                tma_load_5d(sk, k_map, 0, row, 0, head, entry, bar);
+                tma_load_5d(sk + L::BYTES, v_map, 0, row, 0, head, entry, bar);
+            }
+            __syncwarp();
+        }
+        return;
+    }
+
+    const int consumer = wg - 1, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int64_t qt = qt0 + consumer;
+    const bool active = qt < a.row_tiles;  // false past the last query tile (a partial block)
+    const uint32_t sq = q_tiles + consumer * L::BYTES;
+    // (An inactive consumer's Q tile is zeros: its products run, and are ignored.)
+    load_tile<T, D>(sq, q + b * a.q_strides[0] + h * a.q_strides[1] + (active ? qt * BQ * a.q_strides[2] : 0),
+                    a.q_strides[2], active ? static_cast<int>(min(static_cast<int64_t>(BQ), a.m - qt * BQ)) : 0, a.d, tid);
     cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_shared();
+    named_sync(Q_BARRIER + consumer, 128);
 
     float o[D / 2], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    for (int e = 0; e < D / 2; ++e) o[e] = 0.f;
     // This thread's rows: row0 and row0 + 8. Accumulator element r of 8-column tile nt is row
     // row0 + (r / 2) * 8, column nt * 8 + 2 t + r % 2 (the mma.sync layout, per warp).
     const int64_t row0 = qt * BQ + warp * 16 + g;
-    int stage = 0;
-    while (kt < a.col_tiles) {
-        const int64_t following = next(kt);
-        if (following < a.col_tiles) load_kv(following, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        fence_async_shared();
-        __syncthreads();
-        // Every thread takes both barriers of every step; a warpgroup whose tile is empty only
-        // waits at them.
+
+    // Before a tile's turn: its state for this consumer's rows, which of this thread's 32 scores
+    // a partial tile keeps (bit nt * 4 + r; worked out before the scores exist, so that the index
+    // arithmetic is not live beside them), and the wait for its K / V.
+    auto prepare = [&](int64_t kt, int index, uint32_t& keep) -> uint8_t {
+        const int stage = index % STAGES;
         const uint8_t state = active ? mask.tile_state(h, qt, kt) : TILE_EMPTY;
-        if (state != TILE_EMPTY) {
-            // Which of this thread's 32 scores a partial tile keeps (bit nt * 4 + r), worked out
-            // before the scores exist so that its index arithmetic is not live beside them.
-            const int64_t j0 = kt * BK;
-            uint32_t keep = ~0u;
-            if (GENERATED && state != TILE_FULL) {
-                keep = 0;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    int lo, hi;
-                    mask.key_run(row0 + half * 8, j0, BK, lo, hi);
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = nt * 8 + 2 * t + e;
-                            if (col >= lo && col <= hi) keep |= 1u << (nt * 4 + 2 * half + e);
-                        }
-                }
-            } else if (!GENERATED && state != TILE_FULL) {
-                keep = 0;
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        if (mask.keeps(h, row0 + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1))) keep |= 1u << (nt * 4 + r);
-            }
-            float s[32];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_scores<T>(s, smem_desc(sq + kk * 256, 128, L::ROW_GROUP),
-                                smem_desc(sk + stage * L::BYTES + kk * 256, 128, L::ROW_GROUP), kk > 0);
-            wgmma_commit();
-            wgmma_wait_all();
-            if (state != TILE_FULL) {
-#pragma unroll
-                for (int i = 0; i < 32; ++i)
-                    if (!(keep >> i & 1u)) s[i] = -INFINITY;
-            }
-            // The online softmax (raw scores; scale_log2 > 0): a row's exponent reference moves
-            // only when a score passes it by more than RESCALE_SLACK.
-            float alpha[2];
-            bool moved = false;
+        const int64_t j0 = kt * BK;
+        keep = ~0u;
+        if (GENERATED && state == TILE_PARTIAL) {
+            keep = 0;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt * 4 + 2 * half], s[nt * 4 + 2 * half + 1]));
-                const float seen = quad_max(tile_max) * a.scale_log2, old_max = row_max[half];
-                const float new_max = seen > old_max + RESCALE_SLACK ? seen : old_max;
-                const float base = new_max == -INFINITY ? 0.f : new_max;
-                alpha[half] = exp2f(old_max - base);
-                moved |= new_max != old_max;
-                row_max[half] = new_max;
-                row_sum[half] *= alpha[half];
+                int lo, hi;
+                mask.key_run(row0 + half * 8, j0, BK, lo, hi);
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(fmaf(s[nt * 4 + 2 * half + e], a.scale_log2, -base));
-                        s[nt * 4 + 2 * half + e] = p;
-                        row_sum[half] += p;
+                        const int col = nt * 8 + 2 * t + e;
+                        if (col >= lo && col <= hi) keep |= 1u << (nt * 4 + 2 * half + e);
                     }
             }
-            if (__any_sync(0xffffffffu, moved)) {
+        } else if (!GENERATED && state == TILE_PARTIAL) {
+            keep = 0;
 #pragma unroll
-                for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-            }
-            wgmma_fence();
+            for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                const uint32_t p[4] = {pack2<T>(s[8 * kk], s[8 * kk + 1]), pack2<T>(s[8 * kk + 2], s[8 * kk + 3]),
-                                       pack2<T>(s[8 * kk + 4], s[8 * kk + 5]), pack2<T>(s[8 * kk + 6], s[8 * kk + 7])};
-                // Keys 16 kk .. 16 kk + 15 are two 8-row groups of the V tile.
-                wgmma_pv<T, D>(o, p, smem_desc(sv + stage * L::BYTES + kk * 2 * L::ROW_GROUP, L::ROW_GROUP, 128));
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+                for (int r = 0; r < 4; ++r)
+                    if (mask.keeps(h, row0 + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1))) keep |= 1u << (nt * 4 + r);
         }
-        __syncthreads();  // this stage's K / V are read before the next step's copies overwrite them
-        stage ^= 1;
-        kt = following;
+        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
+        return state;
+    };
+    // S = Q Kᵀ of the tile in `stage` (issued and committed, not waited for).
+    auto issue_scores = [&](float (&s)[32], int stage) {
+        const uint32_t sk = kv_stages + stage * 2 * L::BYTES;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_scores<T>(s, smem_desc(sq + kk * 256, 128, L::ROW_GROUP), smem_desc(sk + kk * 2048, 1024, 128), kk > 0);
+        wgmma_commit();
+    };
+    // O += P V with the V tile in `stage` (issued and committed, not waited for).
+    uint32_t p[4][4];  // the A fragments of P's four 16-key steps
+    auto issue_pv = [&](int stage) {
+        const uint32_t sv = kv_stages + stage * 2 * L::BYTES + L::BYTES;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+            // Keys 16 kk .. 16 kk + 15 are two 8-row groups (128 bytes apart) of the V tile.
+            wgmma_pv<T, D>(o, p[kk], smem_desc(sv + kk * 256, 128, 1024));
+        wgmma_commit();
+    };
+    // The online softmax of a tile's raw scores (scale_log2 > 0): masked where `keep` says, the
+    // row statistics updated (a row's exponent reference moves only when a score passes it by
+    // more than RESCALE_SLACK), s turned into probabilities; alpha rescales what came before.
+    auto softmax = [&](float (&s)[32], uint8_t state, uint32_t keep, float (&alpha)[2]) -> bool {
+        if (state != TILE_FULL) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e)
+                if (!(keep >> e & 1u)) s[e] = -INFINITY;
+        }
+        bool moved = false;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt * 4 + 2 * half], s[nt * 4 + 2 * half + 1]));
+            const float seen = quad_max(tile_max) * a.scale_log2, old_max = row_max[half];
+            const float new_max = seen > old_max + RESCALE_SLACK ? seen : old_max;
+            const float reference = new_max == -INFINITY ? 0.f : new_max;
+            alpha[half] = exp2f(old_max - reference);
+            moved |= new_max != old_max;
+            row_max[half] = new_max;
+            row_sum[half] *= alpha[half];
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = exp2f(fmaf(s[nt * 4 + 2 * half + e], a.scale_log2, -reference));
+                    s[nt * 4 + 2 * half + e] = x;
+                    row_sum[half] += x;
+                }
+        }
+        return __any_sync(0xffffffffu, moved);
+    };
+    // P of a tile (zero for a tile this consumer does not see: its P V then adds nothing).
+    auto set_p = [&](const float (&s)[32], bool live) {
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            p[kk][0] = live ? pack2<T>(s[8 * kk], s[8 * kk + 1]) : 0u;
+            p[kk][1] = live ? pack2<T>(s[8 * kk + 2], s[8 * kk + 3]) : 0u;
+            p[kk][2] = live ? pack2<T>(s[8 * kk + 4], s[8 * kk + 5]) : 0u;
+            p[kk][3] = live ? pack2<T>(s[8 * kk + 6], s[8 * kk + 7]) : 0u;
+        }
+    };
+    auto release = [&](int stage) {
+        if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);
+    };
+
+    // The turns: every wgmma is issued by the whole warpgroup, unconditionally (a tile this
+    // consumer does not see costs its products, which the softmax then ignores). A tile's S is
+    // issued in its own turn, its P V in the next one.
+    static_assert(CONSUMERS == 2, "the turns are a ping-pong of two consumers");
+    const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + (consumer ^ 1);
+    int64_t kt = next(-1);
+    if (kt < a.col_tiles) {  // the same for the whole block
+        if (consumer == 1) named_arrive(other_turn, 256);  // consumer 0 takes the first turn
+        float s[32], alpha[2];
+        uint32_t keep;
+        uint8_t state = prepare(kt, 0, keep);
+        named_sync(my_turn, 256);
+        wgmma_fence();
+        issue_scores(s, 0);
+        named_arrive(other_turn, 256);
+        wgmma_wait<0>();
+        if (state != TILE_EMPTY) softmax(s, state, keep, alpha);  // o is still zero: no rescale
+        set_p(s, state != TILE_EMPTY);
+        int stage_prev = 0, index = 1;
+        for (kt = next(kt); kt < a.col_tiles; kt = next(kt), ++index) {
+            const int stage = index % STAGES;
+            state = prepare(kt, index, keep);
+            named_sync(my_turn, 256);
+            wgmma_fence();
+            issue_scores(s, stage);
+            issue_pv(stage_prev);
+            named_arrive(other_turn, 256);
+            wgmma_wait<1>();  // S (the previous tile's P V may still run)
+            const bool moved = state != TILE_EMPTY && softmax(s, state, keep, alpha);
+            wgmma_wait<0>();  // P V: o and p are free, and so is the previous stage
+            release(stage_prev);
+            if (moved) {
+#pragma unroll
+                for (int e = 0; e < D / 2; ++e) o[e] *= alpha[(e >> 1) & 1];
+            }
+            set_p(s, state != TILE_EMPTY);
+            stage_prev = stage;
+        }
+        named_sync(my_turn, 256);
+        wgmma_fence();
+        issue_pv(stage_prev);
+        named_arrive(other_turn, 256);
+        wgmma_wait<0>();
+        release(stage_prev);
+        if (consumer == 0) named_sync(my_turn, 256);  // consumer 1's last hand-over
     }
-    cp_async_wait<0>();
+
     if (!active) return;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -296,13 +433,12 @@ __device__ __forceinline__ void forward_wgmma(const T* __restrict__ q, const T* 
 
 // Exported kernels: attention_fwd_sm90_{generated,stored}_d{64,128}_{f16,bf16} (generated:
 // full, causal and window masks; stored: documents and dense masks), with the arguments of the
-// portable attention_fwd_d*_* (src/cuda/attention.cu).
+// portable attention_fwd_d*_* (src/cuda/attention.cu) but TMA maps of k and v for their pointers.
 #define ATTENTION_SM90_MASK(T, RUST, D, KIND, GENERATED)                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                          \
-        attention_fwd_sm90_##KIND##_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse,             \
-                                                  const uint8_t* states, const uint8_t* dense, const int64_t* ids,    \
-                                                  AttentionArgs a) {                                                  \
-        forward_wgmma<T, D, GENERATED>(q, k, v, out, lse, states, dense, ids, a);                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_sm90_##KIND##_d##D##_##RUST(               \
+        const T* q, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, T* out,         \
+        float* lse, const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {               \
+        forward_ws<T, D, GENERATED>(q, &k_map, &v_map, out, lse, states, dense, ids, a);                              \
     }
 #define ATTENTION_SM90(T, RUST, D) ATTENTION_SM90_MASK(T, RUST, D, generated, true) ATTENTION_SM90_MASK(T, RUST, D, stored, false)
 ATTENTION_SM90(__half, f16, 64)
