@@ -446,12 +446,12 @@ const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
 
 impl TensorMap {
     /// The map of a k or v operand (`[batch, kv_heads, n, cols]` at `ptr`, 16-bit elements, rows
-    /// and heads 16-byte aligned) that the Hopper forward copies key tiles through: dims (8
-    /// elements, rows, 16-byte chunks, kv heads, batch) and a box of (8, 64, head_tile / 8), so
-    /// that a tile lands chunk-major (the K-major core-matrix layout) with zeros past n and cols.
+    /// and heads 16-byte aligned) that the Hopper forward copies key tiles through: dims (cols,
+    /// rows, kv heads, batch) and a box of 64 x 64 in the 128-byte swizzle (a tile takes one box
+    /// per 64 columns of the head tile), zeros past n and cols.
     /// `None` where TMA cannot describe the layout (a zero stride on a dim of several entries).
     fn kv_tiles<T: WithDType>(
-        ptr: u64, p: &Problem, cols: usize, layout: &Layout, head_tile: usize,
+        ptr: u64, p: &Problem, cols: usize, layout: &Layout,
     ) -> Result<Option<TensorMap>> {
         use driver::sys::{
             CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
@@ -477,31 +477,30 @@ impl TensorMap {
         if (0..3).any(|i| stride(i) == 0) {
             return Ok(None);
         }
-        let global_dim: [u64; 5] = [
-            8,
+        let global_dim: [u64; 4] = [
+            cols.max(1) as u64,
             p.n.max(1) as u64,
-            (cols / 8).max(1) as u64,
             p.kv_heads as u64,
             p.batch as u64,
         ];
-        let global_strides: [u64; 4] = [stride(2), 16, stride(1), stride(0)];
-        let box_dim: [u32; 5] = [8, TILE_K as u32, (head_tile / 8) as u32, 1, 1];
-        let element_strides = [1u32; 5];
+        let global_strides: [u64; 3] = [stride(2), stride(1), stride(0)];
+        let box_dim: [u32; 4] = [64, TILE_K as u32, 1, 1];
+        let element_strides = [1u32; 4];
         let mut map = std::mem::MaybeUninit::<driver::sys::CUtensorMap>::uninit();
-        // SAFETY: every array holds the rank (5) or rank - 1 entries the driver reads; `map` is
+        // SAFETY: every array holds the rank (4) or rank - 1 entries the driver reads; `map` is
         // written by the call before it is read.
         let status = unsafe {
             driver::sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
                 data_type,
-                5,
+                4,
                 ptr as *mut std::ffi::c_void,
                 global_dim.as_ptr(),
                 global_strides.as_ptr(),
                 box_dim.as_ptr(),
                 element_strides.as_ptr(),
                 Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+                Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
                 Promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                 Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )
@@ -567,8 +566,8 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 let (k_ptr, _k_sync) = kv.device_ptr(&stream);
                 let (v_ptr, _v_sync) = vv.device_ptr(&stream);
                 let maps = (
-                    TensorMap::kv_tiles::<T>(k_ptr, p, p.d, kl, head_tile)?,
-                    TensorMap::kv_tiles::<T>(v_ptr, p, p.dv, vl, head_tile)?,
+                    TensorMap::kv_tiles::<T>(k_ptr, p, p.d, kl)?,
+                    TensorMap::kv_tiles::<T>(v_ptr, p, p.dv, vl)?,
                 );
                 match maps {
                     (Some(k_map), Some(v_map)) => {

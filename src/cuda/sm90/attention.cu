@@ -43,6 +43,12 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, u
     return static_cast<uint64_t>((addr >> 4) & 0x3fff) | static_cast<uint64_t>((leading >> 4) & 0x3fff) << 16 |
            static_cast<uint64_t>((stride >> 4) & 0x3fff) << 32;
 }
+// The same for an operand in the 128-byte swizzle layout (rows of 128 bytes whose 16-byte chunks
+// are permuted by the row's index within its 8-row group, in 1024-byte aligned groups; what TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B).
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t leading, uint32_t stride) {
+    return smem_desc(addr, leading, stride) | (1ull << 62);
+}
 
 // Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major 64 x D global
 // tile (rows row_stride elements apart) into the core-matrix layout at shared address dst; the
@@ -144,14 +150,14 @@ struct alignas(64) TensorMap {
 };
 static_assert(sizeof(TensorMap) == 128, "TensorMap is mirrored by a Rust struct of 128 bytes");
 
-// The TMA copy of the box at coordinates c0 .. c4 of a 5-d tensor map into shared memory at dst,
+// The TMA copy of the box at coordinates c0 .. c3 of a 4-d tensor map into shared memory at dst,
 // completing (its bytes) on the mbarrier; elements past the tensor's bounds arrive as zeros.
-__device__ __forceinline__ void tma_load_5d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3, int c4,
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3,
                                             uint32_t bar) {
     asm volatile(
-        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-        "%6}], [%7];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
 }
 
@@ -170,11 +176,11 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
 
 // The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
-// tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 5-d maps
-// of (8 elements, rows, 16-byte chunks, kv heads, batch) whose box of (8, 64, D / 8) lands as a
-// K-major core-matrix tile, chunk c of row r at c * 1024 + r * 16 bytes, zeros past n and d),
-// completing on the stage's `full` mbarrier, and reuses a stage once every consumer warp has
-// released it (`empty`). Warpgroups 1 .. CONSUMERS consume: each owns one mask tile of 64 queries. They
+// tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 4-d maps
+// of (columns, rows, kv heads, batch) with a box of 64 x 64 in the 128-byte swizzle: columns
+// 64 c .. 64 c + 63 of a tile's row r at c * 8192 + r * 128 bytes, zeros past n and d), completing
+// on the stage's `full` mbarrier, and reuses a stage once every consumer warp has released it
+// (`empty`). K is then a K-major operand of S, V an MN-major one of P V. Warpgroups 1 .. CONSUMERS consume: each owns one mask tile of 64 queries. They
 // take turns at the tensor cores (named barriers, in ping-pong): in its turn a consumer issues
 // S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
 // runs the mask and the online softmax of the current tile while the other consumer's products
@@ -241,8 +247,11 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
                 const uint32_t sk = kv_stages + stage * 2 * L::BYTES, bar = full_bar + 8 * stage;
                 const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
                 mbarrier_arrive_expect_tx(bar, 2 * L::BYTES);
-                tma_load_5d(sk, k_map, 0, row, 0, head, entry, bar);
-                tma_load_5d(sk + L::BYTES, v_map, 0, row, 0, head, entry, bar);
+#pragma unroll
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_4d(sk + half * 8192, k_map, 64 * half, row, head, entry, bar);
+                    tma_load_4d(sk + L::BYTES + half * 8192, v_map, 64 * half, row, head, entry, bar);
+                }
             }
             __syncwarp();
         }
@@ -306,7 +315,9 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         const uint32_t sk = kv_stages + stage * 2 * L::BYTES;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_scores<T>(s, smem_desc(sq + kk * 256, 128, L::ROW_GROUP), smem_desc(sk + kk * 2048, 1024, 128), kk > 0);
+            // Head-dim columns 16 kk .. 16 kk + 15: 32 bytes into the 128-byte rows of half kk / 4.
+            wgmma_scores<T>(s, smem_desc(sq + kk * 256, 128, L::ROW_GROUP),
+                            smem_desc_sw128(sk + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024), kk > 0);
         wgmma_commit();
     };
     // O += P V with the V tile in `stage` (issued and committed, not waited for).
@@ -315,8 +326,9 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         const uint32_t sv = kv_stages + stage * 2 * L::BYTES + L::BYTES;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
-            // Keys 16 kk .. 16 kk + 15 are two 8-row groups (128 bytes apart) of the V tile.
-            wgmma_pv<T, D>(o, p[kk], smem_desc(sv + kk * 256, 128, 1024));
+            // Keys 16 kk .. 16 kk + 15 are two 8-row groups (1024 bytes each) of the V tile; its
+            // head-dim halves are 8192 bytes apart.
+            wgmma_pv<T, D>(o, p[kk], smem_desc_sw128(sv + kk * 2048, 8192, 1024));
         wgmma_commit();
     };
     // The online softmax of a tile's raw scores (scale_log2 > 0): masked where `keep` says, the
