@@ -383,7 +383,7 @@ fn hopper_forward_chosen() -> bool {
 
 /// Whether the Hopper forward is the default on compute capability 9.0: only where it is the
 /// faster one (BENCHMARKS.md, "Hopper forward").
-const HOPPER_FORWARD_DEFAULT: bool = false;
+const HOPPER_FORWARD_DEFAULT: bool = true;
 
 impl Path {
     /// The head tile (64 or 128) of the Hopper forward (`src/cuda/sm90/attention.cu`) where it
