@@ -31,7 +31,7 @@ static_assert(BQ == 64 && BK == 64, "a warpgroup's wgmma tile is 64 queries x 64
 
 template <int D> struct TileLayout {
     static constexpr int STAGES = D == 64 ? AC::HOPPER_STAGES_D64 : AC::HOPPER_STAGES_D128;  // K / V stages
-    static_assert(16 * STAGES <= 256 && 256 + STAGES * 8 <= BARRIER_BYTES, "mbarriers and slots fit before the tiles");
+    static_assert(16 * STAGES <= BARRIER_BYTES, "the mbarriers fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;        // one 64 x D tile of 16-bit elements
     static constexpr int ROW_GROUP = D / 8 * 128;   // bytes between 8-row groups
     static constexpr int CHUNKS = D / 8;            // 16-byte chunks per row
@@ -171,13 +171,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// A stage's tile as the producer announces it (shared memory, after the mbarriers).
-struct TileSlot {
-    int32_t kt;                   // the key tile; -1 once the walk has ended
-    uint8_t states[AC::HOPPER_CONSUMERS];  // its state for each consumer's query tile
-};
-constexpr int SLOT_OFFSET = 256;  // bytes: after 2 x 16 mbarriers
-
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
@@ -204,9 +197,6 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // stages of a K tile followed by a V tile.
     const uint32_t base = shared_address(shared_raw);
     const uint32_t full_bar = base, empty_bar = base + 8 * STAGES;
-    // Per stage, what the producer says of its tile: the key tile (-1: the walk has ended) and
-    // its state for each consumer's query tile (TileSlot).
-    TileSlot* slots = reinterpret_cast<TileSlot*>(shared_raw + SLOT_OFFSET);
     const uint32_t q_tiles = base + BARRIER_BYTES, kv_stages = q_tiles + CONSUMERS * L::BYTES;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
@@ -249,36 +239,23 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         // released that stage's previous tile (i - STAGES). Warp 0 walks the tiles (next_live
         // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do.
         if (tid >= 32) return;
-        // After the last tile, one more slot says that the walk has ended (no copies).
         int i = 0;
-        for (int64_t kt = next(-1);; kt = next(kt), ++i) {
+        for (int64_t kt = next(-1); kt < a.col_tiles; kt = next(kt), ++i) {
             const int stage = i % STAGES;
-            const bool ended = kt >= a.col_tiles;
-            uint8_t states[CONSUMERS];
-#pragma unroll
-            for (int c = 0; c < CONSUMERS; ++c)
-                states[c] = !ended && qt0 + c < a.row_tiles ? mask.tile_state(h, qt0 + c, kt) : TILE_EMPTY;
             if (tid == 0) {
                 if (i >= STAGES) mbarrier_wait(empty_bar + 8 * stage, ((i / STAGES) & 1) ^ 1);
-                slots[stage].kt = ended ? -1 : static_cast<int32_t>(kt);
-#pragma unroll
-                for (int c = 0; c < CONSUMERS; ++c) slots[stage].states[c] = states[c];
                 const uint32_t sk = kv_stages + stage * 2 * L::BYTES, bar = full_bar + 8 * stage;
-                if (ended) {
-                    mbarrier_arrive(bar);
-                } else {
-                    const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
-                    mbarrier_arrive_expect_tx(bar, 2 * L::BYTES);
+                const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
+                mbarrier_arrive_expect_tx(bar, 2 * L::BYTES);
 #pragma unroll
-                    for (int half = 0; half < D / 64; ++half) {
-                        tma_load_4d(sk + half * 8192, k_map, 64 * half, row, head, entry, bar);
-                        tma_load_4d(sk + L::BYTES + half * 8192, v_map, 64 * half, row, head, entry, bar);
-                    }
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_4d(sk + half * 8192, k_map, 64 * half, row, head, entry, bar);
+                    tma_load_4d(sk + L::BYTES + half * 8192, v_map, 64 * half, row, head, entry, bar);
                 }
             }
             __syncwarp();
-            if (ended) return;
         }
+        return;
     }
 
     const int consumer = wg - 1, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -300,15 +277,16 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // row0 + (r / 2) * 8, column nt * 8 + 2 t + r % 2 (the mma.sync layout, per warp).
     const int64_t row0 = qt * BQ + warp * 16 + g;
 
-    // Before the turn of the walk's tile `index`: the wait for its K / V, its key tile (-1 past
-    // the end) and state for this consumer's rows from the producer's slot, and which of this
-    // thread's 32 scores a partial tile keeps (bit nt * 4 + r; worked out before the scores
-    // exist, so that the index arithmetic is not live beside them).
-    auto prepare = [&](int index, int64_t& kt, uint32_t& keep) -> uint8_t {
+    // The state of key tile kt for this consumer's rows (empty past the walk's end).
+    auto state_of = [&](int64_t kt) -> uint8_t {
+        return active && kt < a.col_tiles ? mask.tile_state(h, qt, kt) : TILE_EMPTY;
+    };
+    // Before the turn of the walk's tile `index` (key tile kt, in `state` for this consumer's
+    // rows): which of this thread's 32 scores a partial tile keeps (bit nt * 4 + r; worked out
+    // before the scores exist, so that the index arithmetic is not live beside them), and the
+    // wait for its K / V.
+    auto prepare = [&](int index, int64_t kt, uint8_t state, uint32_t& keep) {
         const int stage = index % STAGES;
-        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
-        kt = slots[stage].kt;
-        const uint8_t state = slots[stage].states[consumer];
         const int64_t j0 = kt * BK;
         keep = ~0u;
         if (GENERATED && state == TILE_PARTIAL) {
@@ -333,7 +311,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
                 for (int r = 0; r < 4; ++r)
                     if (mask.keeps(h, row0 + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1))) keep |= 1u << (nt * 4 + r);
         }
-        return state;
+        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
     };
     // S = Q Kᵀ of the tile in `stage` (issued and committed, not waited for).
     auto issue_scores = [&](float (&s)[32], int stage) {
@@ -408,29 +386,37 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // issued in its own turn, its P V in the next one.
     static_assert(CONSUMERS == 2, "the turns are a ping-pong of two consumers");
     const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + (consumer ^ 1);
-    float s[32], alpha[2];
-    uint32_t keep;
-    int64_t kt;
-    uint8_t state = prepare(0, kt, keep);
-    if (kt >= 0) {  // the same for the whole block
+    // Each consumer walks the key tiles itself, one tile ahead: the next tile and its state (for
+    // stored masks, loads of the mask's tile states) are asked for while this tile's S runs.
+    int64_t kt = next(-1);
+    if (kt < a.col_tiles) {  // the same for the whole block
         if (consumer == 1) named_arrive(other_turn, 256);  // consumer 0 takes the first turn
+        float s[32], alpha[2];
+        uint32_t keep;
+        uint8_t state = state_of(kt);
+        prepare(0, kt, state, keep);
         named_sync(my_turn, 256);
         wgmma_fence();
         issue_scores(s, 0);
         named_arrive(other_turn, 256);
+        int64_t kt_next = next(kt);
+        uint8_t state_next = state_of(kt_next);
         wgmma_wait<0>();
         if (state != TILE_EMPTY) softmax(s, state, keep, alpha);  // o is still zero: no rescale
         set_p(s, state != TILE_EMPTY);
         int stage_prev = 0, index = 1;
-        for (;; ++index) {
+        for (; kt_next < a.col_tiles; ++index) {
             const int stage = index % STAGES;
-            state = prepare(index, kt, keep);
-            if (kt < 0) break;
+            kt = kt_next;
+            state = state_next;
+            prepare(index, kt, state, keep);
             named_sync(my_turn, 256);
             wgmma_fence();
             issue_scores(s, stage);
             issue_pv(stage_prev);
             named_arrive(other_turn, 256);
+            kt_next = next(kt);
+            state_next = state_of(kt_next);
             wgmma_wait<1>();  // S (the previous tile's P V may still run)
             const bool moved = state != TILE_EMPTY && softmax(s, state, keep, alpha);
             wgmma_wait<0>();  // P V: o and p are free, and so is the previous stage
