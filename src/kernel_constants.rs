@@ -101,7 +101,8 @@ pub mod attention {
     /// many as fit: the copies of a stage start only once both consumers are done with it).
     pub const HOPPER_STAGES_D64: usize = 8;
     pub const HOPPER_STAGES_D128: usize = 6;
-    /// Bytes before the Hopper forward's tiles in shared memory (its mbarriers).
+    /// Bytes before the Hopper forward's tiles in shared memory (its mbarriers; the tiles start
+    /// 1024-byte aligned, as the 128-byte swizzle needs).
     pub const HOPPER_BARRIER_BYTES: usize = 1024;
     /// Mask kinds.
     pub const MASK_FULL: i32 = 0;

@@ -401,8 +401,8 @@ impl Path {
 
 /// The Hopper forward kernel of a mask and head tile, and its launch: a block of a producer
 /// warpgroup and `HOPPER_CONSUMERS` consumer warpgroups per `HOPPER_CONSUMERS` query tiles of a
-/// (batch, head); shared memory for its mbarriers, a Q tile per consumer and `HOPPER_STAGES`
-/// stages (`HOPPER_STAGES_D*`) of a K and a V tile (64 rows of `head_tile` 16-bit elements each). Generated masks
+/// (batch, head); shared memory for its mbarriers, a Q tile per consumer and `HOPPER_STAGES_D*`
+/// stages of a K and a V tile (64 rows of `head_tile` 16-bit elements each). Generated masks
 /// (full, causal, window) and masks with stored tile states (documents, dense) have a kernel each.
 fn hopper_forward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,

@@ -5,19 +5,20 @@
 // the natural log-sum-exp [b, h, m], f32 softmax statistics, probabilities rounded to the operand
 // type before P V, a row that sees no key gives zeros and -inf.
 //
-// A block is a producer warpgroup and HOPPER_CONSUMERS (2) consumer warpgroups, each consumer
-// with its own mask tile of 64 queries (a warp 16 rows); they share the block's K / V tiles of 64
-// keys, which the producer streams with cp.async through HOPPER_STAGES shared stages over the key
-// tiles any of the block's query tiles sees (tile states as in MaskView), with mbarriers saying
-// when a stage is full and when every consumer is done with it. The consumers take turns at the
-// tensor cores (FlashAttention-3's ping-pong): in its turn a consumer issues S = Q Kᵀ of its
-// current key tile (wgmma m64n64k16, both operands from shared memory) and O += P V of the
-// previous one (wgmma m64nDk16, P from registers, V transposed from shared memory), then runs the
-// mask and the online softmax of the current tile while the other consumer's products run. Head
-// dims are zero-padded to D (64 or 128) in shared memory. Shared tiles use the no-swizzle
-// core-matrix layout: the 16-byte chunk c of row r of a 64 x D tile sits at
-// (r / 8) * ROW_GROUP + c * 128 + (r % 8) * 16 bytes, ROW_GROUP = D / 8 * 128 (layouts and
-// descriptors verified by scripts/hopper/wgmma_probe.cu).
+// A block is a producer warpgroup (one warp of it works) and HOPPER_CONSUMERS (2) consumer
+// warpgroups, each consumer with its own mask tile of 64 queries (a warp 16 rows); they share the
+// block's K / V tiles of 64 keys, which the producer streams with TMA through HOPPER_STAGES_D*
+// shared stages over the key tiles any of the block's query tiles sees (tile states as in
+// MaskView), with mbarriers saying when a stage is full and when every consumer is done with it.
+// The consumers take turns at the tensor cores (FlashAttention-3's ping-pong): in its turn a
+// consumer issues S = Q Kᵀ of its current key tile (wgmma m64n64k16, both operands from shared
+// memory) and O += P V of the previous one (wgmma m64nDk16, P from registers, V MN-major from
+// shared memory), then runs the mask and the online softmax of the current tile while the other
+// consumer's products run. Head dims are zero-padded to D (64 or 128) in shared memory. K and V
+// tiles are in the 128-byte swizzle TMA writes (see forward_ws); each consumer copies its Q tile
+// itself (cp.async) into the no-swizzle core-matrix layout: the 16-byte chunk c of row r of a
+// 64 x D tile at (r / 8) * ROW_GROUP + c * 128 + (r % 8) * 16 bytes, ROW_GROUP = D / 8 * 128
+// (layouts and descriptors verified by scripts/hopper/wgmma_probe.cu).
 #include "attention_common.cuh"
 
 using namespace fastops;
