@@ -216,6 +216,12 @@ fn mask_views<'a>(held: &'a [Option<Held<'_>>; 3]) -> Result<MaskViews<'a>> {
     })
 }
 
+/// The batch, head and row strides of a 4-d operand's layout.
+fn strides_of(layout: &Layout) -> [usize; 3] {
+    let s = layout.stride();
+    [s[0], s[1], s[2]]
+}
+
 fn strides3(layout: &Layout) -> [i64; 3] {
     let s = layout.stride();
     [s[0] as i64, s[1] as i64, s[2] as i64]
@@ -435,6 +441,43 @@ fn hopper_forward_kernel<T: WithDType>(
     Ok((kernel, cfg))
 }
 
+/// The Hopper backward kernel of a mask and head tile, and its launch: a block of one warpgroup
+/// per key tile of a (batch, kv head); shared memory for its mbarriers, K and V tiles,
+/// `HOPPER_BWD_STAGES_D*` stages of a Q and a dO tile, a dSᵀ tile and the statistics of two items
+/// (mirrors `BackwardLayout` of the kernel).
+fn hopper_backward_kernel<T: WithDType>(
+    dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
+) -> Result<(Kernel, LaunchConfig)> {
+    let masks = if mask.args.kind <= C::MASK_WINDOW {
+        "generated"
+    } else {
+        "stored"
+    };
+    let kernel = Kernel::load_typed::<T>(
+        dev,
+        Module::AttentionSm90,
+        &["attention_bwd_sm90", masks, &format!("d{head_tile}")],
+    )?;
+    let tile = 64 * head_tile * 2;
+    let stages = if head_tile == 64 {
+        C::HOPPER_BWD_STAGES_D64
+    } else {
+        C::HOPPER_BWD_STAGES_D128
+    };
+    let shared = C::HOPPER_BARRIER_BYTES
+        + (2 + 2 * stages) * tile
+        + TILE_K * TILE_Q * 2
+        + 2 * 2 * TILE_Q * 4;
+    kernel.allow_dynamic_shared(shared)?;
+    let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    Ok((kernel, cfg))
+}
+
 /// A TMA descriptor (the driver's `CUtensorMap`) as a kernel argument; mirrored by `TensorMap`
 /// in `src/cuda/sm90/attention.cu`.
 #[repr(C)]
@@ -445,13 +488,14 @@ unsafe impl DeviceRepr for TensorMap {}
 const _: () = assert!(std::mem::size_of::<TensorMap>() == 128);
 
 impl TensorMap {
-    /// The map of a k or v operand (`[batch, kv_heads, n, cols]` at `ptr`, 16-bit elements, rows
-    /// and heads 16-byte aligned) that the Hopper forward copies key tiles through: dims (cols,
-    /// rows, kv heads, batch) and a box of 64 x 64 in the 128-byte swizzle (a tile takes one box
-    /// per 64 columns of the head tile), zeros past n and cols.
-    /// `None` where TMA cannot describe the layout (a zero stride on a dim of several entries).
-    fn kv_tiles<T: WithDType>(
-        ptr: u64, p: &Problem, cols: usize, layout: &Layout,
+    /// The map of an operand `[batch, heads, rows, cols]` at `ptr` (16-bit elements, `strides`
+    /// of batch, head and row in elements, rows and heads 16-byte aligned) that the Hopper kernels
+    /// copy 64-row tiles through: dims (cols, rows, heads, batch) and a box of 64 x 64 in the
+    /// 128-byte swizzle (a tile takes one box per 64 columns of the head tile), zeros past rows
+    /// and cols. `None` where TMA cannot describe the layout (a zero stride on a dim of several
+    /// entries).
+    fn tiles<T: WithDType>(
+        ptr: u64, [batch, heads, rows]: [usize; 3], cols: usize, strides: [usize; 3],
     ) -> Result<Option<TensorMap>> {
         use driver::sys::{
             CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
@@ -464,8 +508,7 @@ impl TensorMap {
             DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             _ => bail!("{OP}: internal error, a TMA map of {:?}", T::DTYPE),
         };
-        let strides = layout.stride();
-        let dims = [p.batch, p.kv_heads, p.n];
+        let dims = [batch, heads, rows];
         // A dim of one entry: any stride does (TMA wants a multiple of 16 bytes).
         let stride = |i: usize| {
             if dims[i] <= 1 {
@@ -479,9 +522,9 @@ impl TensorMap {
         }
         let global_dim: [u64; 4] = [
             cols.max(1) as u64,
-            p.n.max(1) as u64,
-            p.kv_heads as u64,
-            p.batch as u64,
+            rows.max(1) as u64,
+            heads as u64,
+            batch as u64,
         ];
         let global_strides: [u64; 3] = [stride(2), stride(1), stride(0)];
         let box_dim: [u32; 4] = [64, TILE_K as u32, 1, 1];
@@ -506,7 +549,7 @@ impl TensorMap {
             )
         };
         if status != driver::sys::CUresult::CUDA_SUCCESS {
-            bail!("{OP}: encoding a TMA map of k / v failed ({status:?}; dims {global_dim:?}, strides {global_strides:?})");
+            bail!("{OP}: encoding a TMA map failed ({status:?}; dims {global_dim:?}, strides {global_strides:?})");
         }
         // SAFETY: written by the successful call above.
         Ok(Some(TensorMap(unsafe { map.assume_init() })))
@@ -565,9 +608,10 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 let stream = dev.cuda_stream();
                 let (k_ptr, _k_sync) = kv.device_ptr(&stream);
                 let (v_ptr, _v_sync) = vv.device_ptr(&stream);
+                let kv_dims = [p.batch, p.kv_heads, p.n];
                 let maps = (
-                    TensorMap::kv_tiles::<T>(k_ptr, p, p.d, kl)?,
-                    TensorMap::kv_tiles::<T>(v_ptr, p, p.dv, vl)?,
+                    TensorMap::tiles::<T>(k_ptr, kv_dims, p.d, strides_of(kl))?,
+                    TensorMap::tiles::<T>(v_ptr, kv_dims, p.dv, strides_of(vl))?,
                 );
                 match maps {
                     (Some(k_map), Some(v_map)) => {
@@ -646,30 +690,6 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");
     };
     let path = Path::of(p, T::DTYPE);
-    // The fused backward at head tile 128 only: at 64 the two passes are faster (BENCHMARKS.md).
-    let fused = !p.deterministic
-        && matches!(
-            path,
-            Path::TensorCores {
-                head_tile: FUSED_HEAD_TILE
-            }
-        );
-    // The fused pass adds scale * dS K into dq_accum (f32, zeroed, padded to whole query tiles
-    // and the head tile: [b, h, padded_m, 128]); the deterministic dq pass writes dq itself.
-    let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
-    let (dq, dq_accum) = if fused {
-        (
-            None,
-            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * FUSED_HEAD_TILE)?),
-        )
-    } else {
-        (Some(alloc_output::<T>(dev, q.elem_count())?), None)
-    };
-    let dk = alloc_output::<T>(dev, k.elem_count())?;
-    let dv = alloc_output::<T>(dev, v.elem_count())?;
-    // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
-    let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
-    let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let (hq, hk, hv) = (Held::new(q), Held::new(k), Held::new(v));
     let (ho, hg, hl) = (Held::new(out), Held::new(grad_out), Held::new(lse));
     let (qv, kv, vv, ov, gv) = (
@@ -679,6 +699,55 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         ho.view::<T>()?,
         hg.view::<T>()?,
     );
+    // The Hopper backward where it runs the problem (not in deterministic mode: it adds dq with
+    // atomics) and TMA describes the operands.
+    let hopper = match path.hopper_forward(dev)? {
+        Some(head_tile) if !p.deterministic => {
+            let stream = dev.cuda_stream();
+            let ptr = |v: &CudaView<'_, T>| v.device_ptr(&stream).0;
+            let (q_dims, kv_dims) = ([p.batch, p.heads, p.m], [p.batch, p.kv_heads, p.n]);
+            let grad_strides = [p.heads * p.m * p.dv, p.m * p.dv, p.dv];
+            let maps = [
+                TensorMap::tiles::<T>(ptr(&qv), q_dims, p.d, strides_of(q.layout()))?,
+                TensorMap::tiles::<T>(ptr(&kv), kv_dims, p.d, strides_of(k.layout()))?,
+                TensorMap::tiles::<T>(ptr(&vv), kv_dims, p.dv, strides_of(v.layout()))?,
+                TensorMap::tiles::<T>(ptr(&gv), q_dims, p.dv, grad_strides)?,
+            ];
+            match maps {
+                [Some(q), Some(k), Some(v), Some(g)] => Some((head_tile, [q, k, v, g])),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    // The fused backward at head tile 128 only: at 64 the two passes are faster (BENCHMARKS.md).
+    let fused = !p.deterministic
+        && matches!(
+            path,
+            Path::TensorCores {
+                head_tile: FUSED_HEAD_TILE
+            }
+        );
+    // The fused and Hopper passes add scale * dS K into dq_accum (f32, zeroed, padded to whole
+    // query tiles and the head tile: [b, h, padded_m, accum_cols]); the deterministic dq pass
+    // writes dq itself.
+    let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
+    let accum_cols = match hopper {
+        Some((head_tile, _)) => Some(head_tile),
+        None => fused.then_some(FUSED_HEAD_TILE),
+    };
+    let (dq, dq_accum) = match accum_cols {
+        Some(cols) => (
+            None,
+            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * cols)?),
+        ),
+        None => (Some(alloc_output::<T>(dev, q.elem_count())?), None),
+    };
+    let dk = alloc_output::<T>(dev, k.elem_count())?;
+    let dv = alloc_output::<T>(dev, v.elem_count())?;
+    // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
+    let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
+    let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
     let views = mask_views(&held)?;
@@ -716,7 +785,30 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
     };
     let (queries, keys) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
-    if fused {
+    if let Some((head_tile, maps)) = &hopper {
+        if queries > 0 && keys > 0 {
+            run(Pass::Delta)?;
+        }
+        if keys > 0 {
+            let (kernel, cfg) = hopper_backward_kernel::<T>(dev, p, mask, *head_tile)?;
+            let acc = dq_accum.as_ref().expect("the Hopper backward has dq_accum");
+            // SAFETY: the arguments match `attention_bwd_sm90_*(q_map, k_map, v_map, do_map,
+            // lse, delta, dk, dv, dq_accum, states, dense, ids, args)`. q, k, v and grad_out are
+            // read through the maps, which cover exactly their layouts; lse and delta rows below
+            // m; the mask's buffers as in the forward. The kernel writes rows below n of dk and
+            // dv (contiguous) and adds into all of dq_accum ([b, h, padded_m, head_tile]).
+            unsafe {
+                kernel.launch(cfg, |a_| {
+                    for map in maps {
+                        a_.arg(map);
+                    }
+                    a_.arg(&lv).arg(&delta).arg(&dk).arg(&dv).arg(acc);
+                    views.push(a_);
+                    a_.arg(&a);
+                })?;
+            }
+        }
+    } else if fused {
         if queries > 0 && keys > 0 {
             run(Pass::Delta)?;
         }
@@ -743,7 +835,12 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         (Some(dq), _) => wrap(dq, q),
         (None, Some(acc)) => Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-            (p.batch, p.heads, padded_m, FUSED_HEAD_TILE),
+            (
+                p.batch,
+                p.heads,
+                padded_m,
+                accum_cols.unwrap_or(FUSED_HEAD_TILE),
+            ),
             BackpropOp::none(),
             false,
         )

@@ -112,6 +112,23 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[N / 2], const uint32_t (&p)[
     }
 }
 
+// d (64 x N, this thread's N / 2) = [accumulate ? d : 0] + A . B over 16 of K, both operands
+// MN-major (transposed) in shared memory: A (M x K) stored K-row by K-row, as the dSᵀ tile is,
+// and B (K x N) as a K / V tile is.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_tt(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(N == 64 || N == 128, "head tiles of 64 or 128");
+    if constexpr (N == 64 && std::is_same_v<T, __half>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24) : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (N == 64) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24) : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (std::is_same_v<T, __half>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40), WG_ACC8(d, 48), WG_ACC8(d, 56) : "l"(a), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40), WG_ACC8(d, 48), WG_ACC8(d, 56) : "l"(a), "l"(b), "r"(accumulate));
+    }
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Makes this thread's completed cp.async writes to shared memory visible to wgmma (async proxy).
@@ -458,6 +475,284 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     }
 }
 
+// ---- The backward (dk, dv and dq of one key tile; delta = rowsum(dO * O) comes from the
+// portable attention_delta_* before it).
+
+template <int D> struct BackwardLayout {
+    static constexpr int STAGES = D == 64 ? AC::HOPPER_BWD_STAGES_D64 : AC::HOPPER_BWD_STAGES_D128;
+    static_assert(8 * (STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
+    static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
+    // After the mbarriers: the K and V tiles, STAGES stages of a Q and a dO tile, the dSᵀ tile
+    // (64 x 64), then two buffers of the 64 log-sum-exps (log2 units) and deltas of an item.
+    static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + 2 * BYTES, DS = STAGE0 + STAGES * 2 * BYTES;
+    static constexpr int STATS = DS + 64 * 64 * 2, SHARED = STATS + 2 * 2 * 64 * 4;
+};
+
+// The descriptor of k-step kk (16 of K) of a 64-row tile in the 128-byte swizzle as TMA writes it
+// (64-column halves 8192 bytes apart): K-major, K running along the rows (Q Kᵀ's operands) ...
+__device__ __forceinline__ uint64_t kmajor_sw128(uint32_t tile, int kk) {
+    return smem_desc_sw128(tile + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024);
+}
+// ... or MN-major, K running down the rows (V in P V; 16 rows are two 1024-byte groups).
+__device__ __forceinline__ uint64_t mnmajor_sw128(uint32_t tile, int kk) {
+    return smem_desc_sw128(tile + kk * 2048, 8192, 1024);
+}
+
+// *p += x, p[1] += y, atomically (one 8-byte reduction; p 8-byte aligned).
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+}
+
+// The backward of one key tile of 64 keys of a (batch entry, kv head) by one warpgroup (two or
+// three blocks share an SM and take turns at the tensor cores). K and V arrive once by TMA; the
+// block then walks the items (query head of the group, query tile) whose mask tile is not empty,
+// thread 0 streaming each item's Q and dO tiles by TMA through STAGES stages (q_map, do_map: as
+// k_map, 64 x 64 boxes in the 128-byte swizzle, zeros past m and d). Per item, with the
+// accumulator rows being keys and its columns queries (thread layout as in the forward):
+//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
+//   Pᵀ = exp2(Sᵀ scale_log2 - lse2) (0 where the mask hides), dSᵀ = Pᵀ (dPᵀ - delta),
+//   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
+//   dQ += dS K over the tile's keys (dSᵀ stored to shared memory; A and B MN-major), added into
+//   dq_accum (f32 [b, h, row_tiles * 64, D]) with float atomics, so the order of the additions
+//   varies run to run (the deterministic backward stays portable).
+// dk = scale * dK and dv = dV are stored at the end (rows below n, columns below d / dv).
+template <typename T, int D, bool GENERATED>
+__device__ __forceinline__ void backward_wg(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
+                                            const TensorMap* do_map, const float* __restrict__ lse,
+                                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                            float* __restrict__ dq_accum, const uint8_t* states, const uint8_t* dense,
+                                            const int64_t* ids, const AttentionArgs& a) {
+    using L = BackwardLayout<D>;
+    constexpr int STAGES = L::STAGES, BYTES = L::BYTES;
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    const uint32_t base = shared_address(shared_raw);
+    const uint32_t kv_bar = base, full_bar = base + 8;
+    const uint32_t sk = base + L::KV, sv = sk + BYTES, sds = base + L::DS;
+    float* stats = reinterpret_cast<float*>(shared_raw + L::STATS);  // [2][lse2 64, delta 64]
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+
+    // The block: key tile kt of (b, hk); the key tiles most queries see first (causal masks).
+    const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
+    const int64_t kt = block / kv_total, bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kt * BK;
+    const MaskView mask{a, states, dense, ids, b};
+    // Items: (query head - h0) * row_tiles + query tile, in order, those with a non-empty tile.
+    const int64_t end = group * a.row_tiles;
+    int64_t qt_first, qt_last;  // generated masks: the query tiles that may see this key tile
+    mask.query_tiles_of(j0, j0 + BK - 1, qt_first, qt_last);
+    auto live = [&](int64_t item) {
+        return mask.tile_state(h0 + item / a.row_tiles, item % a.row_tiles, kt) != TILE_EMPTY;
+    };
+    // The first live item after `item` (end when none); every thread of a warp calls it alike.
+    auto next = [&](int64_t item) -> int64_t {
+        if constexpr (GENERATED) {
+            if (qt_first > qt_last || item >= end) return end;
+            int64_t head = item < 0 ? 0 : item / a.row_tiles, qt = item < 0 ? qt_first - 1 : item % a.row_tiles;
+            for (;;) {
+                if (++qt > qt_last) {
+                    ++head;
+                    qt = qt_first;
+                }
+                if (head >= group) return end;
+                if (live(head * a.row_tiles + qt)) return head * a.row_tiles + qt;
+            }
+        } else {
+            return next_live(item, end, live);
+        }
+    };
+    // Thread 0: the copies of an item's Q and dO tiles into `stage`.
+    auto issue = [&](int64_t item, int stage) {
+        const uint32_t sq = base + L::STAGE0 + stage * 2 * BYTES, bar = full_bar + 8 * stage;
+        const int head = static_cast<int>(h0 + item / a.row_tiles), row = static_cast<int>((item % a.row_tiles) * BQ);
+        mbarrier_arrive_expect_tx(bar, 2 * BYTES);
+#pragma unroll
+        for (int half = 0; half < D / 64; ++half) {
+            tma_load_4d(sq + half * 8192, q_map, 64 * half, row, head, static_cast<int>(b), bar);
+            tma_load_4d(sq + BYTES + half * 8192, do_map, 64 * half, row, head, static_cast<int>(b), bar);
+        }
+    };
+    // Threads 0 .. 63: query row tid of an item's log-sum-exp (log2 units; +inf where the row
+    // sees no key or lies past m, so that its probabilities are 0) and delta.
+    auto load_stats = [&](int64_t item, float& lse2, float& row_delta) {
+        lse2 = INFINITY;
+        row_delta = 0.f;
+        if (item >= end) return;
+        const int64_t row = (item % a.row_tiles) * BQ + tid;
+        if (row >= a.m) return;
+        const int64_t at = (b * a.heads + h0 + item / a.row_tiles) * a.m + row;
+        const float l = lse[at];
+        lse2 = l == -INFINITY ? INFINITY : l * LOG2E;
+        row_delta = delta[at];
+    };
+
+    if (tid == 0) {
+        mbarrier_init(kv_bar, 1);
+        for (int st = 0; st < STAGES; ++st) mbarrier_init(full_bar + 8 * st, 1);
+    }
+    __syncthreads();
+    int64_t item = next(-1);
+    int64_t ahead = item;  // warp 0: the next item to copy
+    if (warp == 0 && item < end) {
+        if (lane == 0) {
+            mbarrier_arrive_expect_tx(kv_bar, 2 * BYTES);
+#pragma unroll
+            for (int half = 0; half < D / 64; ++half) {
+                const int row = static_cast<int>(j0), head = static_cast<int>(hk), entry = static_cast<int>(b);
+                tma_load_4d(sk + half * 8192, k_map, 64 * half, row, head, entry, kv_bar);
+                tma_load_4d(sv + half * 8192, v_map, 64 * half, row, head, entry, kv_bar);
+            }
+        }
+        for (int st = 0; st < STAGES && ahead < end; ++st) {
+            if (lane == 0) issue(ahead, st);
+            ahead = next(ahead);
+        }
+        __syncwarp();
+    }
+    if (tid < 64) {
+        float lse2, row_delta;
+        load_stats(item, lse2, row_delta);
+        stats[tid] = lse2;
+        stats[64 + tid] = row_delta;
+    }
+    __syncthreads();
+
+    float dk_acc[D / 2], dv_acc[D / 2];
+#pragma unroll
+    for (int e = 0; e < D / 2; ++e) dk_acc[e] = dv_acc[e] = 0.f;
+    const int64_t key0 = j0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    if (item < end) mbarrier_wait(kv_bar, 0);
+    for (int index = 0; item < end; ++index) {
+        const int stage = index % STAGES;
+        const uint32_t sq = base + L::STAGE0 + stage * 2 * BYTES, sdo = sq + BYTES;
+        const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
+        const uint8_t state = mask.tile_state(h, qt, kt);
+        // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
+        // i0 + nt * 8 + 2 t + r % 2) the mask keeps.
+        uint32_t keep = ~0u;
+        if (state != TILE_FULL) {
+            keep = 0;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                if constexpr (GENERATED) {
+                    int lo, hi;
+                    mask.query_run(key0 + half * 8, i0, BQ, lo, hi);
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = nt * 8 + 2 * t + e;
+                            if (col >= lo && col <= hi) keep |= 1u << (nt * 4 + 2 * half + e);
+                        }
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (mask.keeps(h, i0 + nt * 8 + 2 * t + e, key0 + half * 8)) keep |= 1u << (nt * 4 + 2 * half + e);
+                }
+            }
+        }
+        const int64_t item_next = next(item);
+        float next_lse2 = 0.f, next_delta = 0.f;
+        if (tid < 64) load_stats(item_next, next_lse2, next_delta);
+        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
+
+        float st[32], dpt[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(st, kmajor_sw128(sk, kk), kmajor_sw128(sq, kk), kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(dpt, kmajor_sw128(sv, kk), kmajor_sw128(sdo, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+
+        const float* item_stats = stats + (index & 1) * 128;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float2 l2 = *reinterpret_cast<const float2*>(item_stats + nt * 8 + 2 * t);
+            const float2 dl = *reinterpret_cast<const float2*>(item_stats + 64 + nt * 8 + 2 * t);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float pr = exp2f(fmaf(st[nt * 4 + r], a.scale_log2, -((r & 1) ? l2.y : l2.x)));
+                const float p_kept = (keep >> (nt * 4 + r) & 1u) ? pr : 0.f;
+                st[nt * 4 + r] = p_kept;
+                dpt[nt * 4 + r] = p_kept * (dpt[nt * 4 + r] - ((r & 1) ? dl.y : dl.x));
+            }
+        }
+        // Pᵀ and dSᵀ as A fragments of 16 queries each (kk), rounded to T.
+        uint32_t pf[4][4], dsf[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                pf[kk][w] = pack2<T>(st[8 * kk + 2 * w], st[8 * kk + 2 * w + 1]);
+                dsf[kk][w] = pack2<T>(dpt[8 * kk + 2 * w], dpt[8 * kk + 2 * w + 1]);
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            wgmma_pv<T, D>(dv_acc, pf[kk], mnmajor_sw128(sdo, kk));
+            wgmma_pv<T, D>(dk_acc, dsf[kk], mnmajor_sw128(sq, kk));
+        }
+        wgmma_commit();
+        // dSᵀ (keys x queries) into shared memory in the 128-byte swizzle: word w of step kk is
+        // key row warp * 16 + g + (w % 2) * 8, query columns 8 (2 kk + w / 2) + 2 t, + 1.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const int row = warp * 16 + g + (w & 1) * 8, chunk = 2 * kk + (w >> 1);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sds + row * 128 + ((chunk ^ g) << 4) + 4 * t),
+                             "r"(dsf[kk][w])
+                             : "memory");
+            }
+        fence_async_shared();
+        __syncthreads();  // the whole dSᵀ tile is written
+        wgmma_wait<0>();  // dV, dK: the fragments are free
+        float dq[D / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_tt<T, D>(dq, mnmajor_sw128(sds, kk), mnmajor_sw128(sk, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        float* dq_row = dq_accum + (((b * a.heads + h) * a.row_tiles + qt) * BQ + warp * 16 + g) * D + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt)
+                red_add2(dq_row + half * 8 * D + nt * 8, dq[nt * 4 + 2 * half] * a.scale,
+                         dq[nt * 4 + 2 * half + 1] * a.scale);
+        if (tid < 64) {
+            stats[((index + 1) & 1) * 128 + tid] = next_lse2;
+            stats[((index + 1) & 1) * 128 + 64 + tid] = next_delta;
+        }
+        __syncthreads();  // the stage and the dSᵀ tile are free; the next item's statistics are in
+        if (warp == 0) {
+            if (ahead < end) {
+                if (lane == 0) issue(ahead, stage);
+                ahead = next(ahead);
+            }
+            __syncwarp();
+        }
+        item = item_next;
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int64_t key = key0 + half * 8;
+        if (key >= a.n) continue;
+        T* dk_row = dk + (bhk * a.n + key) * a.d;
+        T* dv_row = dv + (bhk * a.n + key) * a.dv;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const int col = nt * 8 + 2 * t;
+            if (col < a.d)
+                from_float2<T>(dk_row + col, dk_acc[nt * 4 + 2 * half] * a.scale, dk_acc[nt * 4 + 2 * half + 1] * a.scale);
+            if (col < a.dv) from_float2<T>(dv_row + col, dv_acc[nt * 4 + 2 * half], dv_acc[nt * 4 + 2 * half + 1]);
+        }
+    }
+}
+
 }  // namespace
 
 // Exported kernels: attention_fwd_sm90_{generated,stored}_d{64,128}_{f16,bf16} (generated:
@@ -474,3 +769,22 @@ ATTENTION_SM90(__half, f16, 64)
 ATTENTION_SM90(__half, f16, 128)
 ATTENTION_SM90(__nv_bfloat16, bf16, 64)
 ATTENTION_SM90(__nv_bfloat16, bf16, 128)
+
+// attention_bwd_sm90_{generated,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32
+// [b, h, row_tiles * 64, D], zeroed by the host) after attention_delta_*; a block per key tile of
+// a (batch entry, kv head); TMA maps of q, k, v and grad_out.
+#define ATTENTION_SM90_BWD_MASK(T, RUST, D, KIND, GENERATED)                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 2) attention_bwd_sm90_##KIND##_d##D##_##RUST(     \
+        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,                             \
+        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map, const float* lse,          \
+        const float* delta, T* dk, T* dv, float* dq_accum, const uint8_t* states, const uint8_t* dense,               \
+        const int64_t* ids, AttentionArgs a) {                                                                        \
+        backward_wg<T, D, GENERATED>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
+                                     ids, a);                                                                         \
+    }
+#define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
+    ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, true) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, false)
+ATTENTION_SM90_BWD(__half, f16, 64)
+ATTENTION_SM90_BWD(__half, f16, 128)
+ATTENTION_SM90_BWD(__nv_bfloat16, bf16, 64)
+ATTENTION_SM90_BWD(__nv_bfloat16, bf16, 128)
