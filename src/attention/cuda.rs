@@ -441,10 +441,15 @@ fn hopper_forward_kernel<T: WithDType>(
     Ok((kernel, cfg))
 }
 
-/// The Hopper backward kernel of a mask and head tile, and its launch: a block of one warpgroup
-/// per key tile of a (batch, kv head); shared memory for its mbarriers, K and V tiles,
-/// `HOPPER_BWD_STAGES_D*` stages of a Q and a dO tile, a dSᵀ tile and the statistics of two items
-/// (mirrors `BackwardLayout` of the kernel).
+/// Warpgroups of the Hopper backward's block, a key tile each (`BWD_WARPGROUPS` of the kernel).
+const HOPPER_BWD_WARPGROUPS: usize = 2;
+
+/// The Hopper backward kernel of a mask and head tile, and its launch: a block of
+/// `HOPPER_BWD_WARPGROUPS` warpgroups per as many key tiles of a (batch, kv head); shared memory
+/// for its mbarriers, a K and a V tile per warpgroup, `HOPPER_BWD_STAGES_D*` stages of a Q and a
+/// dO tile, two dSᵀ tiles per warpgroup, the statistics of two items and a dQ tile (64 x
+/// `head_tile / 2` f32) per warpgroup (mirrors `BackwardLayout` of the kernel, which traps when
+/// given less).
 fn hopper_backward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
@@ -464,15 +469,17 @@ fn hopper_backward_kernel<T: WithDType>(
     } else {
         C::HOPPER_BWD_STAGES_D128
     };
+    let warpgroups = HOPPER_BWD_WARPGROUPS;
     let shared = C::HOPPER_BARRIER_BYTES
-        + (2 + 2 * stages) * tile
-        + TILE_K * TILE_Q * 2
-        + 2 * 2 * TILE_Q * 4;
+        + (2 * warpgroups + 2 * stages) * tile
+        + 2 * warpgroups * TILE_K * TILE_Q * 2
+        + 2 * 2 * TILE_Q * 4
+        + warpgroups * TILE_Q * head_tile / 2 * 4;
     kernel.allow_dynamic_shared(shared)?;
-    let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K);
+    let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K * warpgroups);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (128, 1, 1),
+        block_dim: ((128 * warpgroups) as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     };
     Ok((kernel, cfg))
@@ -736,12 +743,14 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         Some((head_tile, _)) => Some(head_tile),
         None => fused.then_some(FUSED_HEAD_TILE),
     };
-    let (dq, dq_accum) = match accum_cols {
-        Some(cols) => (
-            None,
-            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * cols)?),
-        ),
-        None => (Some(alloc_output::<T>(dev, q.elem_count())?), None),
+    // (The Hopper pass's dq_accum is in its own order, which its dq_rows kernel turns into dq.)
+    let dq_accum = match accum_cols {
+        Some(cols) => Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * cols)?),
+        None => None,
+    };
+    let dq = match (&dq_accum, &hopper) {
+        (Some(_), None) => None,
+        _ => Some(alloc_output::<T>(dev, q.elem_count())?),
     };
     let dk = alloc_output::<T>(dev, k.elem_count())?;
     let dv = alloc_output::<T>(dev, v.elem_count())?;
@@ -807,6 +816,26 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                     a_.arg(&a);
                 })?;
             }
+            let kernel = Kernel::load_typed::<T>(
+                dev,
+                Module::AttentionSm90,
+                &["attention_dq_rows_sm90", &format!("d{head_tile}")],
+            )?;
+            let dq = dq.as_ref().expect("the Hopper backward has dq");
+            let threads = p.batch * p.heads * padded_m * head_tile / 4;
+            let cfg = LaunchConfig {
+                grid_dim: (threads.div_ceil(256).min(1 << 16) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match `attention_dq_rows_sm90_*(dq_accum, dq, args)`; the
+            // kernel reads all of dq_accum (float4 at a time; [b, h, padded_m, head_tile] f32)
+            // and writes rows below m and columns below d of dq ([b, h, m, d], contiguous).
+            unsafe {
+                kernel.launch(cfg, |a_| {
+                    a_.arg(acc).arg(dq).arg(&a);
+                })?;
+            }
         }
     } else if fused {
         if queries > 0 && keys > 0 {
@@ -833,20 +862,20 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     let dq = match (dq, dq_accum) {
         (Some(dq), _) => wrap(dq, q),
-        (None, Some(acc)) => Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-            (
-                p.batch,
-                p.heads,
-                padded_m,
-                accum_cols.unwrap_or(FUSED_HEAD_TILE),
-            ),
-            BackpropOp::none(),
-            false,
-        )
-        .narrow(2, 0, p.m)?
-        .narrow(3, 0, p.d)?
-        .to_dtype(T::DTYPE)?,
+        (None, Some(acc)) => {
+            let cols = accum_cols.unwrap_or(FUSED_HEAD_TILE);
+            let len = acc.len();
+            let acc = Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
+                len,
+                BackpropOp::none(),
+                false,
+            );
+            let rows = acc
+                .reshape((p.batch, p.heads, padded_m, cols))?
+                .to_dtype(T::DTYPE)?;
+            rows.narrow(2, 0, p.m)?.narrow(3, 0, p.d)?.contiguous()?
+        }
         (None, None) => bail!("{OP}: internal error, the backward has no dq"),
     };
     Ok((dq, wrap(dk, k), wrap(dv, v)))

@@ -497,6 +497,71 @@ fn composed(
     candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?.matmul(&v)
 }
 
+/// Gradients of `sum(masked_attention(q, k, v) * weights)` for q, k and v against candle's
+/// composed attention in f64 with an additive mask (`views`: how q, k and v are laid out).
+#[allow(clippy::too_many_arguments)]
+fn check_gradients(
+    dims: (usize, usize, usize, usize, usize, usize, usize), spec: &Spec, scale: f64,
+    deterministic: bool, dtype: DType, dev: &Device, views: Views, name: &str,
+) -> Result<()> {
+    let (b, h, hk, m, n, _, dv) = dims;
+    let options = AttentionOptions {
+        scale: Some(scale),
+        deterministic: Some(deterministic),
+        ..Default::default()
+    };
+    let (q, k, v) = inputs(dims, dtype, dev, views, 60)?;
+    let (qv, kv, vv) = (
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    );
+    let weights = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 61)?;
+    let ours = masked_attention_with(&qv, &kv, &vv, &spec.mask(dev)?, &options)?;
+    let grads = (ours * &weights)?.sum_all()?.backward()?;
+    let mut bias = vec![f64::NEG_INFINITY; b * h * m * n];
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..m {
+                for j in 0..n {
+                    if spec.visible(bi, hi, i, j, m, n) {
+                        bias[((bi * h + hi) * m + i) * n + j] = 0.0;
+                    }
+                }
+            }
+        }
+    }
+    let bias = Tensor::from_vec(bias, (b, h, m, n), dev)?;
+    let f64v = |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.to_dtype(DType::F64)?) };
+    let (q64, k64, v64) = (f64v(&q)?, f64v(&k)?, f64v(&v)?);
+    let want = composed(&q64, &k64, &v64, &bias, scale, h / hk)?;
+    let want_grads = (want * weights.to_dtype(DType::F64)?)?
+        .sum_all()?
+        .backward()?;
+    let tol = match dtype {
+        DType::F64 => 1e-10,
+        DType::F32 => 1e-4,
+        DType::F16 => 1e-2,
+        _ => 5e-2,
+    };
+    for (which, ours, theirs) in [("q", &qv, &q64), ("k", &kv, &k64), ("v", &vv, &v64)] {
+        let got = to_f64(grads.get(ours).expect("gradient"))?;
+        // candle's graph has no path to q and k through a zero scale: zeros.
+        let want = match want_grads.get(theirs) {
+            Some(g) => to_f64(g)?,
+            None if scale == 0.0 => vec![0.0; got.len()],
+            None => panic!("{name} {dtype:?} composed d{which}"),
+        };
+        assert_close(
+            &got,
+            &want,
+            tol,
+            &format!("{name} {dtype:?} deterministic {deterministic} d{which}"),
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn gradients_match_composed_attention() -> Result<()> {
     for_each_device(|dev| {
@@ -516,71 +581,101 @@ fn gradients_match_composed_attention() -> Result<()> {
         ];
         // Both backwards: on CUDA (f16 / bf16) the fused one adds dq with atomics, the
         // deterministic one has a dq pass of its own.
-        let modes = [false, true];
-        for ((name, spec, m, (d, dv), scale), deterministic) in cases
-            .into_iter()
-            .flat_map(|case| modes.map(|mode| (case.clone(), mode)))
-        {
-            let dims = (b, h, hk, m, n, d, dv);
-            let options = AttentionOptions {
-                scale: Some(scale),
-                deterministic: Some(deterministic),
-                ..Default::default()
-            };
-            for dtype in attention_dtypes(dev) {
-                let (q, k, v) = inputs(dims, dtype, dev, Views::Plain, 60)?;
-                let (qv, kv, vv) = (
-                    Var::from_tensor(&q)?,
-                    Var::from_tensor(&k)?,
-                    Var::from_tensor(&v)?,
-                );
-                let weights = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 61)?;
-                let ours = masked_attention_with(&qv, &kv, &vv, &spec.mask(dev)?, &options)?;
-                let grads = (ours * &weights)?.sum_all()?.backward()?;
-                // The composed reference in f64 with an additive mask.
-                let mut bias = vec![f64::NEG_INFINITY; b * h * m * n];
-                for bi in 0..b {
-                    for hi in 0..h {
-                        for i in 0..m {
-                            for j in 0..n {
-                                if spec.visible(bi, hi, i, j, m, n) {
-                                    bias[((bi * h + hi) * m + i) * n + j] = 0.0;
-                                }
-                            }
-                        }
-                    }
-                }
-                let bias = Tensor::from_vec(bias, (b, h, m, n), dev)?;
-                let f64v =
-                    |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.to_dtype(DType::F64)?) };
-                let (q64, k64, v64) = (f64v(&q)?, f64v(&k)?, f64v(&v)?);
-                let want = composed(&q64, &k64, &v64, &bias, scale, h / hk)?;
-                let want_grads = (want * weights.to_dtype(DType::F64)?)?
-                    .sum_all()?
-                    .backward()?;
-                let tol = match dtype {
-                    DType::F64 => 1e-10,
-                    DType::F32 => 1e-4,
-                    DType::F16 => 1e-2,
-                    _ => 5e-2,
-                };
-                for (which, ours, theirs) in [("q", &qv, &q64), ("k", &kv, &k64), ("v", &vv, &v64)]
-                {
-                    let got = to_f64(grads.get(ours).expect("gradient"))?;
-                    // candle's graph has no path to q and k through a zero scale: zeros.
-                    let want = match want_grads.get(theirs) {
-                        Some(g) => to_f64(g)?,
-                        None if scale == 0.0 => vec![0.0; got.len()],
-                        None => panic!("{name} {dtype:?} composed d{which}"),
-                    };
-                    assert_close(
-                        &got,
-                        &want,
-                        tol,
-                        &format!("{name} {dtype:?} deterministic {deterministic} d{which}"),
-                    );
+        for (name, spec, m, (d, dv), scale) in cases {
+            for deterministic in [false, true] {
+                for dtype in attention_dtypes(dev) {
+                    let dims = (b, h, hk, m, n, d, dv);
+                    check_gradients(
+                        dims,
+                        &spec,
+                        scale,
+                        deterministic,
+                        dtype,
+                        dev,
+                        Views::Plain,
+                        name,
+                    )?;
                 }
             }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// Gradients over several query and key blocks (the CUDA backwards' blocks of 64 and 128 keys,
+/// ragged last tiles), every mask kind, head dims 64, 128 and 40-with-dv-72, strided views,
+/// grouped-query heads, and m < n.
+#[test]
+fn long_sequences_gradients_every_mask() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, h, hk, m) = (2, 4, 2, 333);
+        let specs = [
+            ("causal", Spec::Causal),
+            ("full", Spec::Full),
+            ("window 100", Spec::Window(100)),
+            (
+                "documents causal",
+                Spec::Documents(documents(b, m, 23), true),
+            ),
+            (
+                "dense [b, m, n]",
+                Spec::Dense(random_bytes(b * m * m, 0.4, 24), [b, 1, m, m], 3),
+            ),
+        ];
+        let dtypes = if dev.is_cuda() {
+            vec![DType::BF16, DType::F16]
+        } else {
+            vec![DType::F32]
+        };
+        for dtype in dtypes {
+            for (name, spec) in &specs {
+                for (d, dv) in [(128, 128), (64, 64), (40, 72)] {
+                    let dims = (b, h, hk, m, m, d, dv);
+                    let name = format!("{name} d {d} dv {dv}");
+                    check_gradients(dims, spec, 0.3, false, dtype, dev, Views::Plain, &name)?;
+                }
+            }
+            for d in [128, 64] {
+                let dims = (b, h, hk, m, m, d, d);
+                let name = format!("causal packed d {d}");
+                check_gradients(
+                    dims,
+                    &Spec::Causal,
+                    0.3,
+                    false,
+                    dtype,
+                    dev,
+                    Views::Packed,
+                    &name,
+                )?;
+                let name = format!("window offset d {d}");
+                let window = Spec::Window(150);
+                check_gradients(dims, &window, 0.3, false, dtype, dev, Views::Offset, &name)?;
+            }
+            let dims = (1, 2, 1, 200, 450, 128, 128);
+            check_gradients(
+                dims,
+                &Spec::Causal,
+                0.3,
+                false,
+                dtype,
+                dev,
+                Views::Plain,
+                "causal m < n",
+            )?;
+            let dims = (1, 2, 1, 200, 450, 64, 64);
+            let window = Spec::Window(150);
+            check_gradients(
+                dims,
+                &window,
+                0.3,
+                false,
+                dtype,
+                dev,
+                Views::Plain,
+                "window m < n",
+            )?;
         }
         Ok(())
     });

@@ -117,8 +117,12 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[N / 2], const uint32_t (&p)[
 // and B (K x N) as a K / V tile is.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_tt(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(N == 64 || N == 128, "head tiles of 64 or 128");
-    if constexpr (N == 64 && std::is_same_v<T, __half>) {
+    static_assert(N == 32 || N == 64 || N == 128, "32, 64 or 128 columns");
+    if constexpr (N == 32 && std::is_same_v<T, __half>) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8) : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (N == 32) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8) : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (N == 64 && std::is_same_v<T, __half>) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24) : "l"(a), "l"(b), "r"(accumulate));
     } else if constexpr (N == 64) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24) : "l"(a), "l"(b), "r"(accumulate));
@@ -475,18 +479,33 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     }
 }
 
-// ---- The backward (dk, dv and dq of one key tile; delta = rowsum(dO * O) comes from the
+// ---- The backward (dk, dv and dq of a block of 128 keys; delta = rowsum(dO * O) comes from the
 // portable attention_delta_* before it).
+
+constexpr int BWD_WARPGROUPS = 2;  // a warpgroup per 64-key tile of the block's 128 keys
+constexpr int BWD_THREADS = 128 * BWD_WARPGROUPS, BWD_KEYS = 64 * BWD_WARPGROUPS;
 
 template <int D> struct BackwardLayout {
     static constexpr int STAGES = D == 64 ? AC::HOPPER_BWD_STAGES_D64 : AC::HOPPER_BWD_STAGES_D128;
-    static_assert(8 * (STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
+    static_assert(8 * (2 * STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
-    // After the mbarriers: the K and V tiles, STAGES stages of a Q and a dO tile, the dSᵀ tile
-    // (64 x 64), then two buffers of the 64 log-sum-exps (log2 units) and deltas of an item.
-    static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + 2 * BYTES, DS = STAGE0 + STAGES * 2 * BYTES;
-    static constexpr int STATS = DS + 64 * 64 * 2, SHARED = STATS + 2 * 2 * 64 * 4;
+    // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile, two
+    // buffers (alternate items) of a dSᵀ tile (64 x 64) per warpgroup, then two buffers of the 64
+    // log-sum-exps (log2 units) and deltas of an item.
+    static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + BWD_WARPGROUPS * 2 * BYTES;
+    static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BUFFER = BWD_WARPGROUPS * 64 * 64 * 2;
+    // Then a warpgroup's dQ tile (64 x D / 2 f32, in fragment order) on its way to dq_accum, per
+    // warpgroup.
+    static constexpr int STATS = DS + 2 * DS_BUFFER, DQ = STATS + 2 * 2 * 64 * 4, DQ_BYTES = 64 * D / 2 * 4;
+    static constexpr int SHARED = DQ + BWD_WARPGROUPS * DQ_BYTES;
 };
+
+// The dynamic shared memory the block was launched with.
+__device__ __forceinline__ uint32_t dynamic_shared_bytes() {
+    uint32_t bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+    return bytes;
+}
 
 // The descriptor of k-step kk (16 of K) of a 64-row tile in the 128-byte swizzle as TMA writes it
 // (64-column halves 8192 bytes apart): K-major, K running along the rows (Q Kᵀ's operands) ...
@@ -498,50 +517,75 @@ __device__ __forceinline__ uint64_t mnmajor_sw128(uint32_t tile, int kk) {
     return smem_desc_sw128(tile + kk * 2048, 8192, 1024);
 }
 
-// *p += x, p[1] += y, atomically (one 8-byte reduction; p 8-byte aligned).
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+// dst[i] += the f32 at shared address src + 4 i, for the `bytes` / 4 of them (a bulk reduction by
+// the TMA unit; 16-byte aligned, bytes a multiple of 16), committed as a bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+        "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(dst)),
+        "r"(src), "r"(bytes)
+        : "memory");
 }
+// Waits until this thread's bulk groups have read their shared memory ...
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... or are complete.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// The backward of one key tile of 64 keys of a (batch entry, kv head) by one warpgroup (two or
-// three blocks share an SM and take turns at the tensor cores). K and V arrive once by TMA; the
-// block then walks the items (query head of the group, query tile) whose mask tile is not empty,
-// thread 0 streaming each item's Q and dO tiles by TMA through STAGES stages (q_map, do_map: as
-// k_map, 64 x 64 boxes in the 128-byte swizzle, zeros past m and d). Per item, with the
-// accumulator rows being keys and its columns queries (thread layout as in the forward):
+// Named barrier DQ_BARRIER + c: warpgroup c's staging of its dQ tile.
+constexpr int DQ_BARRIER = 1;
+
+// The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
+// tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
+// group, query tile) whose mask tile is not empty for either key tile, thread 0 streaming each
+// item's Q and dO tiles by TMA through STAGES stages (q_map, do_map: as k_map, 64 x 64 boxes in
+// the 128-byte swizzle, zeros past m and d) that both warpgroups read. Per item, each warpgroup
+// with accumulator rows its 64 keys and columns the item's 64 queries (thread layout as in the
+// forward):
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
 //   Pᵀ = exp2(Sᵀ scale_log2 - lse2) (0 where the mask hides), dSᵀ = Pᵀ (dPᵀ - delta),
 //   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
-//   dQ += dS K over the tile's keys (dSᵀ stored to shared memory; A and B MN-major), added into
-//   dq_accum (f32 [b, h, row_tiles * 64, D]) with float atomics, so the order of the additions
-//   varies run to run (the deterministic backward stays portable).
+//   dSᵀ to shared memory; then dQ = dS K over the block's 128 keys, warpgroup c taking head-dim
+//   columns [c D / 2, (c + 1) D / 2) (A and B MN-major), added into dq_accum by bulk reductions,
+//   so the order of the additions varies run to run (the deterministic backward stays
+//   portable). dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment
+//   order]: entry ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row
+//   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; dq_rows turns it into
+//   dq.
 // dk = scale * dK and dv = dV are stored at the end (rows below n, columns below d / dv).
 template <typename T, int D, bool GENERATED>
-__device__ __forceinline__ void backward_wg(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
+__device__ __forceinline__ void backward_ws(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
                                             const TensorMap* do_map, const float* __restrict__ lse,
                                             const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                                             float* __restrict__ dq_accum, const uint8_t* states, const uint8_t* dense,
                                             const int64_t* ids, const AttentionArgs& a) {
     using L = BackwardLayout<D>;
-    constexpr int STAGES = L::STAGES, BYTES = L::BYTES;
+    constexpr int STAGES = L::STAGES, BYTES = L::BYTES, DQ_COLS = D / BWD_WARPGROUPS;
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const uint32_t base = shared_address(shared_raw);
-    const uint32_t kv_bar = base, full_bar = base + 8;
-    const uint32_t sk = base + L::KV, sv = sk + BYTES, sds = base + L::DS;
+    const uint32_t kv_bar = base, full_bar = base + 8, empty_bar = full_bar + 8 * STAGES;
     float* stats = reinterpret_cast<float*>(shared_raw + L::STATS);  // [2][lse2 64, delta 64]
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // The warpgroup and warp indices through a shuffle: the compiler then keeps what derives from
+    // them (the wgmma descriptors) in uniform registers.
+    const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid % 128) / 32, 0);
+    const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES, dq_stage = base + L::DQ + wg * L::DQ_BYTES;
 
-    // The block: key tile kt of (b, hk); the key tiles most queries see first (causal masks).
+    // The block: keys j0 .. j0 + 127 of (b, hk); the keys most queries see first (causal masks).
     const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
-    const int64_t kt = block / kv_total, bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
-    const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kt * BK;
+    const int64_t kb = block / kv_total, bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kb * BWD_KEYS;
+    const int64_t kt = 2 * kb + wg;  // this warpgroup's key tile
     const MaskView mask{a, states, dense, ids, b};
     // Items: (query head - h0) * row_tiles + query tile, in order, those with a non-empty tile.
     const int64_t end = group * a.row_tiles;
-    int64_t qt_first, qt_last;  // generated masks: the query tiles that may see this key tile
-    mask.query_tiles_of(j0, j0 + BK - 1, qt_first, qt_last);
+    int64_t qt_first, qt_last;  // generated masks: the query tiles that may see the block's keys
+    mask.query_tiles_of(j0, j0 + BWD_KEYS - 1, qt_first, qt_last);
+    auto state_of = [&](int64_t h, int64_t qt, int64_t tile) {
+        return tile < a.col_tiles ? mask.tile_state(h, qt, tile) : TILE_EMPTY;
+    };
     auto live = [&](int64_t item) {
-        return mask.tile_state(h0 + item / a.row_tiles, item % a.row_tiles, kt) != TILE_EMPTY;
+        const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles;
+        return state_of(h, qt, 2 * kb) != TILE_EMPTY || state_of(h, qt, 2 * kb + 1) != TILE_EMPTY;
     };
     // The first live item after `item` (end when none); every thread of a warp calls it alike.
     auto next = [&](int64_t item) -> int64_t {
@@ -585,21 +629,30 @@ __device__ __forceinline__ void backward_wg(const TensorMap* q_map, const Tensor
         row_delta = delta[at];
     };
 
+    if (dynamic_shared_bytes() < L::SHARED) __trap();  // the host's layout differs from this one
     if (tid == 0) {
         mbarrier_init(kv_bar, 1);
-        for (int st = 0; st < STAGES; ++st) mbarrier_init(full_bar + 8 * st, 1);
+        for (int st = 0; st < STAGES; ++st) {
+            mbarrier_init(full_bar + 8 * st, 1);
+            mbarrier_init(empty_bar + 8 * st, BWD_WARPGROUPS * 4);  // lane 0 of every warp
+        }
     }
     __syncthreads();
     int64_t item = next(-1);
     int64_t ahead = item;  // warp 0: the next item to copy
-    if (warp == 0 && item < end) {
+    if (tid < 32 && item < end) {
         if (lane == 0) {
-            mbarrier_arrive_expect_tx(kv_bar, 2 * BYTES);
+            mbarrier_arrive_expect_tx(kv_bar, BWD_WARPGROUPS * 2 * BYTES);
+            const int head = static_cast<int>(hk), entry = static_cast<int>(b);
 #pragma unroll
-            for (int half = 0; half < D / 64; ++half) {
-                const int row = static_cast<int>(j0), head = static_cast<int>(hk), entry = static_cast<int>(b);
-                tma_load_4d(sk + half * 8192, k_map, 64 * half, row, head, entry, kv_bar);
-                tma_load_4d(sv + half * 8192, v_map, 64 * half, row, head, entry, kv_bar);
+            for (int c = 0; c < BWD_WARPGROUPS; ++c) {
+                const uint32_t to = base + L::KV + c * 2 * BYTES;
+                const int row = static_cast<int>(j0 + 64 * c);
+#pragma unroll
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_4d(to + half * 8192, k_map, 64 * half, row, head, entry, kv_bar);
+                    tma_load_4d(to + BYTES + half * 8192, v_map, 64 * half, row, head, entry, kv_bar);
+                }
             }
         }
         for (int st = 0; st < STAGES && ahead < end; ++st) {
@@ -619,17 +672,29 @@ __device__ __forceinline__ void backward_wg(const TensorMap* q_map, const Tensor
     float dk_acc[D / 2], dv_acc[D / 2];
 #pragma unroll
     for (int e = 0; e < D / 2; ++e) dk_acc[e] = dv_acc[e] = 0.f;
-    const int64_t key0 = j0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    const int64_t key0 = kt * BK + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    // Descriptors, computed once: a descriptor plus n addresses the tile n * 16 bytes further on
+    // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
+    const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
+    const uint64_t q_kmajor = kmajor_sw128(base + L::STAGE0, 0), q_mnmajor = mnmajor_sw128(base + L::STAGE0, 0);
+    const uint64_t ds_mnmajor = mnmajor_sw128(base + L::DS, 0);
+    // dQ's B: the K tiles' columns [wg DQ_COLS, ...) (the second 64-column half, or 64 bytes into
+    // the swizzled rows at D = 64).
+    const uint64_t kq_mnmajor = mnmajor_sw128(base + L::KV + (D == 128 ? wg * 8192 : wg * DQ_COLS * 2), 0);
+    auto kstep = [](int kk) -> uint32_t { return (kk / 4) * (8192 / 16) + (kk % 4) * 2; };
+    auto mnstep = [](int kk) -> uint32_t { return kk * (2048 / 16); };
     if (item < end) mbarrier_wait(kv_bar, 0);
     for (int index = 0; item < end; ++index) {
-        const int stage = index % STAGES;
-        const uint32_t sq = base + L::STAGE0 + stage * 2 * BYTES, sdo = sq + BYTES;
+        const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0), parity = __shfl_sync(0xffffffffu, index & 1, 0);
         const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
-        const uint8_t state = mask.tile_state(h, qt, kt);
+        const uint8_t state = state_of(h, qt, kt);
         // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
-        // i0 + nt * 8 + 2 t + r % 2) the mask keeps.
+        // i0 + nt * 8 + 2 t + r % 2) the mask keeps (none of an empty tile: its products run,
+        // and add zeros).
         uint32_t keep = ~0u;
-        if (state != TILE_FULL) {
+        if (state == TILE_EMPTY) {
+            keep = 0;
+        } else if (state != TILE_FULL) {
             keep = 0;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -657,44 +722,58 @@ __device__ __forceinline__ void backward_wg(const TensorMap* q_map, const Tensor
         if (tid < 64) load_stats(item_next, next_lse2, next_delta);
         mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
 
+        // The products in five commit groups, each waited for only where its result is needed:
+        // Sᵀ, dPᵀ; then Pᵀ (while dPᵀ runs) and dV += Pᵀ dO; then dSᵀ (while dV runs) and
+        // dK += dSᵀ Q; dQ once both warpgroups' dSᵀ tiles are in shared memory.
+        const uint32_t stage_step = stage * (2 * BYTES / 16);  // descriptor units: 16 bytes
+        const uint64_t q_k = q_kmajor + stage_step, do_k = q_k + BYTES / 16;
+        const uint64_t q_mn = q_mnmajor + stage_step, do_mn = q_mn + BYTES / 16;
         float st[32], dpt[32];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(st, kmajor_sw128(sk, kk), kmajor_sw128(sq, kk), kk > 0);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(dpt, kmajor_sw128(sv, kk), kmajor_sw128(sdo, kk), kk > 0);
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(st, k_kmajor + kstep(kk), q_k + kstep(kk), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(dpt, v_kmajor + kstep(kk), do_k + kstep(kk), kk > 0);
+        wgmma_commit();
 
         const float* item_stats = stats + (index & 1) * 128;
+        uint32_t pf[4][4], dsf[4][4];  // Pᵀ and dSᵀ as A fragments of 16 queries each, rounded to T
+        wgmma_wait<1>();               // Sᵀ
+        const bool masked = state != TILE_FULL;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const float2 l2 = *reinterpret_cast<const float2*>(item_stats + nt * 8 + 2 * t);
-            const float2 dl = *reinterpret_cast<const float2*>(item_stats + 64 + nt * 8 + 2 * t);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const float pr = exp2f(fmaf(st[nt * 4 + r], a.scale_log2, -((r & 1) ? l2.y : l2.x)));
-                const float p_kept = (keep >> (nt * 4 + r) & 1u) ? pr : 0.f;
-                st[nt * 4 + r] = p_kept;
-                dpt[nt * 4 + r] = p_kept * (dpt[nt * 4 + r] - ((r & 1) ? dl.y : dl.x));
+                st[nt * 4 + r] = masked && !(keep >> (nt * 4 + r) & 1u) ? 0.f : pr;
             }
         }
-        // Pᵀ and dSᵀ as A fragments of 16 queries each (kk), rounded to T.
-        uint32_t pf[4][4], dsf[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                pf[kk][w] = pack2<T>(st[8 * kk + 2 * w], st[8 * kk + 2 * w + 1]);
-                dsf[kk][w] = pack2<T>(dpt[8 * kk + 2 * w], dpt[8 * kk + 2 * w + 1]);
-            }
+            for (int w = 0; w < 4; ++w) pf[kk][w] = pack2<T>(st[8 * kk + 2 * w], st[8 * kk + 2 * w + 1]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            wgmma_pv<T, D>(dv_acc, pf[kk], mnmajor_sw128(sdo, kk));
-            wgmma_pv<T, D>(dk_acc, dsf[kk], mnmajor_sw128(sq, kk));
-        }
+        for (int kk = 0; kk < 4; ++kk) wgmma_pv<T, D>(dv_acc, pf[kk], do_mn + mnstep(kk));
         wgmma_commit();
+        wgmma_wait<1>();  // dPᵀ
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const float2 dl = *reinterpret_cast<const float2*>(item_stats + 64 + nt * 8 + 2 * t);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dpt[nt * 4 + r] = st[nt * 4 + r] * (dpt[nt * 4 + r] - ((r & 1) ? dl.y : dl.x));
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) dsf[kk][w] = pack2<T>(dpt[8 * kk + 2 * w], dpt[8 * kk + 2 * w + 1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_pv<T, D>(dk_acc, dsf[kk], q_mn + mnstep(kk));
+        wgmma_commit();
+        const uint32_t ds_buffer = parity * L::DS_BUFFER, sds = base + L::DS + ds_buffer + wg * 8192;
         // dSᵀ (keys x queries) into shared memory in the 128-byte swizzle: word w of step kk is
         // key row warp * 16 + g + (w % 2) * 8, query columns 8 (2 kk + w / 2) + 2 t, + 1.
 #pragma unroll
@@ -706,36 +785,59 @@ __device__ __forceinline__ void backward_wg(const TensorMap* q_map, const Tensor
                              "r"(dsf[kk][w])
                              : "memory");
             }
-        fence_async_shared();
-        __syncthreads();  // the whole dSᵀ tile is written
-        wgmma_wait<0>();  // dV, dK: the fragments are free
-        float dq[D / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_tt<T, D>(dq, mnmajor_sw128(sds, kk), mnmajor_sw128(sk, kk), kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        float* dq_row = dq_accum + (((b * a.heads + h) * a.row_tiles + qt) * BQ + warp * 16 + g) * D + 2 * t;
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt)
-                red_add2(dq_row + half * 8 * D + nt * 8, dq[nt * 4 + 2 * half] * a.scale,
-                         dq[nt * 4 + 2 * half + 1] * a.scale);
+        // The next item's statistics, into the buffer the previous item read (before this
+        // barrier, which every warp passed that item's reads to reach).
         if (tid < 64) {
             stats[((index + 1) & 1) * 128 + tid] = next_lse2;
             stats[((index + 1) & 1) * 128 + 64 + tid] = next_delta;
         }
-        __syncthreads();  // the stage and the dSᵀ tile are free; the next item's statistics are in
-        if (warp == 0) {
+        fence_async_shared();
+        // Both warpgroups' dSᵀ tiles are written. (A dSᵀ buffer is written again two items on,
+        // after the other warpgroup's dQ of this item, which precedes its next barrier.)
+        __syncthreads();
+        // dQ columns [wg DQ_COLS, (wg + 1) DQ_COLS) over the block's keys: k-step kk takes keys
+        // 16 (kk % 4) .. of warpgroup kk / 4's tiles.
+        float dq[DQ_COLS / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4 * BWD_WARPGROUPS; ++kk)
+            wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + (ds_buffer + (kk / 4) * 8192) / 16 + mnstep(kk % 4),
+                                 kq_mnmajor + (kk / 4) * (2 * BYTES / 16) + mnstep(kk % 4), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();  // dV, dK, dQ
+        // scale * dQ into this warpgroup's staging tile in fragment order (thread (warp, lane)'s
+        // 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 + lane) * 16 bytes), then
+        // added into its block of dq_accum (the same order) by one bulk reduction that the TMA
+        // unit runs while the warpgroup goes on.
+        if (tid % 128 == 0) bulk_wait_read();  // the previous item's reduction has read the tile
+        named_sync(DQ_BARRIER + wg, 128);
+#pragma unroll
+        for (int nt = 0; nt < DQ_COLS / 8; ++nt)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
+                         "f"(dq[nt * 4] * a.scale), "f"(dq[nt * 4 + 1] * a.scale), "f"(dq[nt * 4 + 2] * a.scale),
+                         "f"(dq[nt * 4 + 3] * a.scale)
+                         : "memory");
+        fence_async_shared();
+        named_sync(DQ_BARRIER + wg, 128);
+        if (tid % 128 == 0) {
+            float* block_dq = dq_accum + (((b * a.heads + h) * a.row_tiles + qt) * BWD_WARPGROUPS + wg) * (64 * DQ_COLS);
+            bulk_reduce_add(block_dq, dq_stage, L::DQ_BYTES);
+        }
+        if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
+        if (tid < 32) {
+            // Warp 0 refills the stage once every warp has released it.
             if (ahead < end) {
-                if (lane == 0) issue(ahead, stage);
+                if (lane == 0) {
+                    mbarrier_wait(empty_bar + 8 * stage, (index / STAGES) & 1);
+                    issue(ahead, stage);
+                }
                 ahead = next(ahead);
             }
             __syncwarp();
         }
         item = item_next;
     }
+    if (tid % 128 == 0) bulk_wait_all();  // the last reduction is done with shared memory
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -750,6 +852,26 @@ __device__ __forceinline__ void backward_wg(const TensorMap* q_map, const Tensor
                 from_float2<T>(dk_row + col, dk_acc[nt * 4 + 2 * half] * a.scale, dk_acc[nt * 4 + 2 * half + 1] * a.scale);
             if (col < a.dv) from_float2<T>(dv_row + col, dv_acc[nt * 4 + 2 * half], dv_acc[nt * 4 + 2 * half + 1]);
         }
+    }
+}
+
+// dq (T [b, h, m, d]) from the backward's dq_accum (see backward_ws): a thread per float4 of
+// dq_accum, which holds rows g and g + 8, columns 2 t and 2 t + 1 of an 8 x 8 tile.
+template <typename T, int D>
+__device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* __restrict__ dq, const AttentionArgs& a) {
+    constexpr int DQ_COLS = D / BWD_WARPGROUPS, PER_BLOCK = 16 * DQ_COLS;  // float4 per warpgroup block
+    const int64_t total = a.batch * a.heads * a.row_tiles * BWD_WARPGROUPS * PER_BLOCK;
+    for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
+         index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t block = index / PER_BLOCK, half = block % BWD_WARPGROUPS, tile = block / BWD_WARPGROUPS;
+        const int within = static_cast<int>(index % PER_BLOCK), lane = within % 32, fragment = within / 32;
+        const int warp = fragment / (DQ_COLS / 8), nt = fragment % (DQ_COLS / 8), g = lane / 4, t = lane % 4;
+        const int64_t bh = tile / a.row_tiles, row = (tile % a.row_tiles) * BQ + warp * 16 + g;
+        const int64_t col = half * DQ_COLS + nt * 8 + 2 * t;
+        if (col >= a.d) continue;
+        const float4 x = dq_accum[index];
+        if (row < a.m) from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x, x.y);
+        if (row + 8 < a.m) from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z, x.w);
     }
 }
 
@@ -770,20 +892,24 @@ ATTENTION_SM90(__half, f16, 128)
 ATTENTION_SM90(__nv_bfloat16, bf16, 64)
 ATTENTION_SM90(__nv_bfloat16, bf16, 128)
 
-// attention_bwd_sm90_{generated,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32
-// [b, h, row_tiles * 64, D], zeroed by the host) after attention_delta_*; a block per key tile of
-// a (batch entry, kv head); TMA maps of q, k, v and grad_out.
+// attention_bwd_sm90_{generated,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32,
+// zeroed by the host, which attention_dq_rows_sm90_d*_* then turns into dq) after
+// attention_delta_*; a block of two warpgroups
+// per 128 keys of a (batch entry, kv head); TMA maps of q, k, v and grad_out.
 #define ATTENTION_SM90_BWD_MASK(T, RUST, D, KIND, GENERATED)                                                          \
-    extern "C" __global__ void __launch_bounds__(128, 2) attention_bwd_sm90_##KIND##_d##D##_##RUST(     \
+    extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1) attention_bwd_sm90_##KIND##_d##D##_##RUST(     \
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,                             \
         const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map, const float* lse,          \
         const float* delta, T* dk, T* dv, float* dq_accum, const uint8_t* states, const uint8_t* dense,               \
         const int64_t* ids, AttentionArgs a) {                                                                        \
-        backward_wg<T, D, GENERATED>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
+        backward_ws<T, D, GENERATED>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
                                      ids, a);                                                                         \
     }
 #define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
-    ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, true) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, false)
+    ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, true) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, false)          \
+    extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {  \
+        dq_rows<T, D>(dq_accum, dq, a);                                                                               \
+    }
 ATTENTION_SM90_BWD(__half, f16, 64)
 ATTENTION_SM90_BWD(__half, f16, 128)
 ATTENTION_SM90_BWD(__nv_bfloat16, bf16, 64)
