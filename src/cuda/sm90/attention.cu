@@ -494,10 +494,11 @@ template <int D> struct BackwardLayout {
     // log-sum-exps (log2 units) and deltas of an item.
     static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + BWD_WARPGROUPS * 2 * BYTES;
     static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BUFFER = BWD_WARPGROUPS * 64 * 64 * 2;
-    // Then a warpgroup's dQ tile (64 x D / 2 f32, in fragment order) on its way to dq_accum, per
-    // warpgroup.
+    // Then two buffers (alternate items) of a warpgroup's dQ tile (64 x D / 2 f32, in fragment
+    // order) on its way to dq_accum, per warpgroup.
     static constexpr int STATS = DS + 2 * DS_BUFFER, DQ = STATS + 2 * 2 * 64 * 4, DQ_BYTES = 64 * D / 2 * 4;
-    static constexpr int SHARED = DQ + BWD_WARPGROUPS * DQ_BYTES;
+    static constexpr int SHARED = DQ + 2 * BWD_WARPGROUPS * DQ_BYTES;
+    static_assert(SHARED <= 227 * 1024, "the layout fits an SM's shared memory");
 };
 
 // The dynamic shared memory the block was launched with.
@@ -526,8 +527,10 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32
         "r"(src), "r"(bytes)
         : "memory");
 }
-// Waits until this thread's bulk groups have read their shared memory ...
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until at most PENDING of this thread's bulk groups have not read their shared memory ...
+template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+}
 // ... or are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
@@ -791,6 +794,9 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             stats[((index + 1) & 1) * 128 + tid] = next_lse2;
             stats[((index + 1) & 1) * 128 + 64 + tid] = next_delta;
         }
+        // The reduction of the item before the previous one has read the dQ buffer this item
+        // writes (its issuing thread waits here, before the barrier the writers pass).
+        if (tid % 128 == 0) bulk_wait_read<1>();
         fence_async_shared();
         // Both warpgroups' dSᵀ tiles are written. (A dSᵀ buffer is written again two items on,
         // after the other warpgroup's dQ of this item, which precedes its next barrier.)
@@ -808,12 +814,10 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         // scale * dQ into this warpgroup's staging tile in fragment order (thread (warp, lane)'s
         // 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 + lane) * 16 bytes), then
         // added into its block of dq_accum (the same order) by one bulk reduction that the TMA
-        // unit runs while the warpgroup goes on.
-        if (tid % 128 == 0) bulk_wait_read();  // the previous item's reduction has read the tile
-        named_sync(DQ_BARRIER + wg, 128);
+        // unit runs while the warpgroup goes on (two buffers: alternate items).
 #pragma unroll
         for (int nt = 0; nt < DQ_COLS / 8; ++nt)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + parity * L::DQ_BYTES + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
                          "f"(dq[nt * 4] * a.scale), "f"(dq[nt * 4 + 1] * a.scale), "f"(dq[nt * 4 + 2] * a.scale),
                          "f"(dq[nt * 4 + 3] * a.scale)
                          : "memory");
@@ -821,7 +825,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         named_sync(DQ_BARRIER + wg, 128);
         if (tid % 128 == 0) {
             float* block_dq = dq_accum + (((b * a.heads + h) * a.row_tiles + qt) * BWD_WARPGROUPS + wg) * (64 * DQ_COLS);
-            bulk_reduce_add(block_dq, dq_stage, L::DQ_BYTES);
+            bulk_reduce_add(block_dq, dq_stage + parity * L::DQ_BYTES, L::DQ_BYTES);
         }
         if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
         if (tid < 32) {
