@@ -1,6 +1,6 @@
 //! The CUDA side of `masked_attention`: the kernels' argument structs, the mask's data on the
-//! device, and the launches (`src/cuda/attention.cu`; the forward on compute capability 9.0 from
-//! `src/cuda/sm90/attention.cu`).
+//! device, and the launches (`src/cuda/attention.cu`; on compute capability 9.0 the forward and
+//! the non-deterministic backward from `src/cuda/sm90/attention.cu`).
 //!
 //! f16 and bf16 run the tensor-core kernels, whose head dims are padded to 64, 128 or 256; f32
 //! runs the warp-per-row kernels. Operands must have unit column strides, head dims a multiple of

@@ -1,11 +1,13 @@
-// masked_attention on Hopper (sm_90a): the forward with wgmma. build.rs compiles this directory
-// for compute_90a only (PTX that loads on compute capability 9.0 and nowhere else); the host picks
-// these kernels on such a GPU for f16 / bf16 with head dims up to 128 and falls back to
-// src/cuda/attention.cu elsewhere. Same contract as the portable forward: out [b, h, m, dv] and
-// the natural log-sum-exp [b, h, m], f32 softmax statistics, probabilities rounded to the operand
-// type before P V, a row that sees no key gives zeros and -inf.
+// masked_attention on Hopper (sm_90a): the forward and the backward with wgmma and TMA. build.rs
+// compiles this directory for compute_90a only (PTX that loads on compute capability 9.0 and
+// nowhere else); the host picks these kernels on such a GPU for f16 / bf16 with head dims up to 128
+// (the backward when not deterministic) and falls back to src/cuda/attention.cu elsewhere. Same
+// contract as the portable kernels: out [b, h, m, dv] and the natural log-sum-exp [b, h, m], f32
+// softmax statistics, probabilities (and score gradients) rounded to the operand type before their
+// products, a row that sees no key gives zeros, -inf and zero gradients. The backward is described
+// at backward_ws.
 //
-// A block is a producer warpgroup (one warp of it works) and HOPPER_CONSUMERS (2) consumer
+// The forward: a block is a producer warpgroup (one warp of it works) and HOPPER_CONSUMERS (2) consumer
 // warpgroups, each consumer with its own mask tile of 64 queries (a warp 16 rows); they share the
 // block's K / V tiles of 64 keys, which the producer streams with TMA through HOPPER_STAGES_D*
 // shared stages over the key tiles any of the block's query tiles sees (tile states as in
