@@ -447,9 +447,8 @@ const HOPPER_BWD_WARPGROUPS: usize = 2;
 /// The Hopper backward kernel of a mask and head tile, and its launch: a block of
 /// `HOPPER_BWD_WARPGROUPS` warpgroups per as many key tiles of a (batch, kv head); shared memory
 /// for its mbarriers, a K and a V tile per warpgroup, `HOPPER_BWD_STAGES_D*` stages of a Q and a
-/// dO tile, two dSᵀ tiles per warpgroup, the statistics of two items and two dQ tiles (64 x
-/// `head_tile / 2` f32) per warpgroup (mirrors `BackwardLayout` of the kernel, which traps when
-/// given less).
+/// dO tile, and per warpgroup a dSᵀ tile, the statistics of two items and a dQ tile (64 x
+/// `head_tile` f32) (mirrors `BackwardLayout` of the kernel, which traps when given less).
 fn hopper_backward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
@@ -472,9 +471,7 @@ fn hopper_backward_kernel<T: WithDType>(
     let warpgroups = HOPPER_BWD_WARPGROUPS;
     let shared = C::HOPPER_BARRIER_BYTES
         + (2 * warpgroups + 2 * stages) * tile
-        + 2 * warpgroups * TILE_K * TILE_Q * 2
-        + 2 * 2 * TILE_Q * 4
-        + 2 * warpgroups * TILE_Q * head_tile / 2 * 4;
+        + warpgroups * (TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4 + TILE_Q * head_tile * 4);
     kernel.allow_dynamic_shared(shared)?;
     let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K * warpgroups);
     let cfg = LaunchConfig {

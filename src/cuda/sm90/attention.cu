@@ -491,15 +491,15 @@ template <int D> struct BackwardLayout {
     static constexpr int STAGES = D == 64 ? AC::HOPPER_BWD_STAGES_D64 : AC::HOPPER_BWD_STAGES_D128;
     static_assert(8 * (2 * STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
-    // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile, two
-    // buffers (alternate items) of a dSᵀ tile (64 x 64) per warpgroup, then two buffers of the 64
-    // log-sum-exps (log2 units) and deltas of an item.
+    // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile;
+    // then per warpgroup a dSᵀ tile (64 x 64), two buffers (alternate items) of the 64
+    // log-sum-exps (log2 units) and deltas of an item, and its dQ tile (64 x D f32: two column
+    // halves in fragment order) on its way to dq_accum.
     static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + BWD_WARPGROUPS * 2 * BYTES;
-    static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BUFFER = BWD_WARPGROUPS * 64 * 64 * 2;
-    // Then two buffers (alternate items) of a warpgroup's dQ tile (64 x D / 2 f32, in fragment
-    // order) on its way to dq_accum, per warpgroup.
-    static constexpr int STATS = DS + 2 * DS_BUFFER, DQ = STATS + 2 * 2 * 64 * 4, DQ_BYTES = 64 * D / 2 * 4;
-    static constexpr int SHARED = DQ + 2 * BWD_WARPGROUPS * DQ_BYTES;
+    static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BYTES = 64 * 64 * 2;
+    static constexpr int STATS = DS + BWD_WARPGROUPS * DS_BYTES, STATS_BYTES = 2 * 2 * 64 * 4;
+    static constexpr int DQ = STATS + BWD_WARPGROUPS * STATS_BYTES, DQ_HALF_BYTES = 64 * D / 2 * 4;
+    static constexpr int SHARED = DQ + BWD_WARPGROUPS * 2 * DQ_HALF_BYTES;
     static_assert(SHARED <= 227 * 1024, "the layout fits an SM's shared memory");
 };
 
@@ -536,8 +536,9 @@ template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
 // ... or are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Named barrier DQ_BARRIER + c: warpgroup c's staging of its dQ tile.
-constexpr int DQ_BARRIER = 1;
+// Named barriers of warpgroup c: DQ_BARRIER + c when its dQ tile is staged, DS_BARRIER + c when
+// its dSᵀ tile is.
+constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 
 // The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
 // tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
@@ -549,10 +550,11 @@ constexpr int DQ_BARRIER = 1;
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
 //   Pᵀ = exp2(Sᵀ scale_log2 - lse2) (0 where the mask hides), dSᵀ = Pᵀ (dPᵀ - delta),
 //   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
-//   dSᵀ to shared memory; then dQ = dS K over the block's 128 keys, warpgroup c taking head-dim
-//   columns [c D / 2, (c + 1) D / 2) (A and B MN-major), added into dq_accum by bulk reductions,
-//   so the order of the additions varies run to run (the deterministic backward stays
-//   portable). dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment
+//   dSᵀ to shared memory; then dQ = dS K over the warpgroup's 64 keys, in two head-dim halves
+//   (A and B MN-major), added into dq_accum by a bulk reduction, so the order of the additions
+//   varies run to run (the deterministic backward stays portable). The warpgroups share only the
+//   Q / dO stages, so one may run up to an item behind the other, its exponentials under the
+//   other's products. dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment
 //   order]: entry ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row
 //   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; dq_rows turns it into
 //   dq.
@@ -568,12 +570,15 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const uint32_t base = shared_address(shared_raw);
     const uint32_t kv_bar = base, full_bar = base + 8, empty_bar = full_bar + 8 * STAGES;
-    float* stats = reinterpret_cast<float*>(shared_raw + L::STATS);  // [2][lse2 64, delta 64]
+    // This warpgroup's statistics: [2][lse2 64, delta 64].
+    float* stats = reinterpret_cast<float*>(shared_raw + L::STATS + (threadIdx.x / 128) * L::STATS_BYTES);
     // The warpgroup and warp indices through a shuffle: the compiler then keeps what derives from
     // them (the wgmma descriptors) in uniform registers.
     const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid % 128) / 32, 0);
-    const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES, dq_stage = base + L::DQ + wg * L::DQ_BYTES;
+    const int wtid = tid % 128;  // the thread in its warpgroup
+    const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES;
+    const uint32_t sds = base + L::DS + wg * L::DS_BYTES, dq_stage = base + L::DQ + wg * 2 * L::DQ_HALF_BYTES;
 
     // The block: keys j0 .. j0 + 127 of (b, hk); the keys most queries see first (causal masks).
     const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
@@ -620,13 +625,13 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             tma_load_4d(sq + BYTES + half * 8192, do_map, 64 * half, row, head, static_cast<int>(b), bar);
         }
     };
-    // Threads 0 .. 63: query row tid of an item's log-sum-exp (log2 units; +inf where the row
+    // Threads 0 .. 63 of a warpgroup: query row wtid of an item's log-sum-exp (log2 units; +inf where the row
     // sees no key or lies past m, so that its probabilities are 0) and delta.
     auto load_stats = [&](int64_t item, float& lse2, float& row_delta) {
         lse2 = INFINITY;
         row_delta = 0.f;
         if (item >= end) return;
-        const int64_t row = (item % a.row_tiles) * BQ + tid;
+        const int64_t row = (item % a.row_tiles) * BQ + wtid;
         if (row >= a.m) return;
         const int64_t at = (b * a.heads + h0 + item / a.row_tiles) * a.m + row;
         const float l = lse[at];
@@ -666,11 +671,11 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
         __syncwarp();
     }
-    if (tid < 64) {
+    if (wtid < 64) {
         float lse2, row_delta;
         load_stats(item, lse2, row_delta);
-        stats[tid] = lse2;
-        stats[64 + tid] = row_delta;
+        stats[wtid] = lse2;
+        stats[64 + wtid] = row_delta;
     }
     __syncthreads();
 
@@ -682,15 +687,16 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
     const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
     const uint64_t q_kmajor = kmajor_sw128(base + L::STAGE0, 0), q_mnmajor = mnmajor_sw128(base + L::STAGE0, 0);
-    const uint64_t ds_mnmajor = mnmajor_sw128(base + L::DS, 0);
-    // dQ's B: the K tiles' columns [wg DQ_COLS, ...) (the second 64-column half, or 64 bytes into
-    // the swizzled rows at D = 64).
-    const uint64_t kq_mnmajor = mnmajor_sw128(base + L::KV + (D == 128 ? wg * 8192 : wg * DQ_COLS * 2), 0);
+    const uint64_t ds_mnmajor = mnmajor_sw128(sds, 0);
+    // dQ's B: this warpgroup's K tile, column half `half` kq_half further on (the second
+    // 64-column box at D = 128, 64 bytes into the swizzled rows at D = 64).
+    const uint64_t kq_mnmajor = mnmajor_sw128(sk, 0);
+    constexpr uint32_t kq_half = (D == 128 ? 8192 : DQ_COLS * 2) / 16;
     auto kstep = [](int kk) -> uint32_t { return (kk / 4) * (8192 / 16) + (kk % 4) * 2; };
     auto mnstep = [](int kk) -> uint32_t { return kk * (2048 / 16); };
     if (item < end) mbarrier_wait(kv_bar, 0);
     for (int index = 0; item < end; ++index) {
-        const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0), parity = __shfl_sync(0xffffffffu, index & 1, 0);
+        const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
         const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
         const uint8_t state = state_of(h, qt, kt);
         // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
@@ -724,7 +730,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
         const int64_t item_next = next(item);
         float next_lse2 = 0.f, next_delta = 0.f;
-        if (tid < 64) load_stats(item_next, next_lse2, next_delta);
+        if (wtid < 64) load_stats(item_next, next_lse2, next_delta);
         mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
 
         // The products in five commit groups, each waited for only where its result is needed:
@@ -778,7 +784,6 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_pv<T, D>(dk_acc, dsf[kk], q_mn + mnstep(kk));
         wgmma_commit();
-        const uint32_t ds_buffer = parity * L::DS_BUFFER, sds = base + L::DS + ds_buffer + wg * 8192;
         // dSᵀ (keys x queries) into shared memory in the 128-byte swizzle: word w of step kk is
         // key row warp * 16 + g + (w % 2) * 8, query columns 8 (2 kk + w / 2) + 2 t, + 1.
 #pragma unroll
@@ -791,43 +796,42 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                              : "memory");
             }
         // The next item's statistics, into the buffer the previous item read (before this
-        // barrier, which every warp passed that item's reads to reach).
-        if (tid < 64) {
-            stats[((index + 1) & 1) * 128 + tid] = next_lse2;
-            stats[((index + 1) & 1) * 128 + 64 + tid] = next_delta;
+        // barrier, which every warp of the warpgroup passed that item's reads to reach).
+        if (wtid < 64) {
+            stats[((index + 1) & 1) * 128 + wtid] = next_lse2;
+            stats[((index + 1) & 1) * 128 + 64 + wtid] = next_delta;
         }
-        // The reduction of the item before the previous one has read the dQ buffer this item
-        // writes (its issuing thread waits here, before the barrier the writers pass).
-        if (tid % 128 == 0) bulk_wait_read<1>();
+        // The previous item's reduction has read the dQ tile this item writes (its issuing thread
+        // waits here, before the barrier the writers pass).
+        if (wtid == 0) bulk_wait_read<0>();
         fence_async_shared();
-        // Both warpgroups' dSᵀ tiles are written. (A dSᵀ buffer is written again two items on,
-        // after the other warpgroup's dQ of this item, which precedes its next barrier.)
-        __syncthreads();
-        // dQ columns [wg DQ_COLS, (wg + 1) DQ_COLS) over the block's keys: k-step kk takes keys
-        // 16 (kk % 4) .. of warpgroup kk / 4's tiles.
-        float dq[DQ_COLS / 2];
-        wgmma_fence();
+        named_sync(DS_BARRIER + wg, 128);  // the warpgroup's dSᵀ tile is written
+        // dQ over the warpgroup's 64 keys, one head-dim half at a time (fewer registers), each
+        // staged in fragment order (thread (warp, lane)'s 8-column tile nt as a float4 at
+        // ((warp * DQ_COLS / 8 + nt) * 32 + lane) * 16 bytes of the half), then the tile is added
+        // into its block of dq_accum (the same order) by one bulk reduction that the TMA unit
+        // runs while the warpgroup goes on.
 #pragma unroll
-        for (int kk = 0; kk < 4 * BWD_WARPGROUPS; ++kk)
-            wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + (ds_buffer + (kk / 4) * 8192) / 16 + mnstep(kk % 4),
-                                 kq_mnmajor + (kk / 4) * (2 * BYTES / 16) + mnstep(kk % 4), kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();  // dV, dK, dQ
-        // scale * dQ into this warpgroup's staging tile in fragment order (thread (warp, lane)'s
-        // 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 + lane) * 16 bytes), then
-        // added into its block of dq_accum (the same order) by one bulk reduction that the TMA
-        // unit runs while the warpgroup goes on (two buffers: alternate items).
+        for (int half = 0; half < 2; ++half) {
+            float dq[DQ_COLS / 2];
+            wgmma_fence();
 #pragma unroll
-        for (int nt = 0; nt < DQ_COLS / 8; ++nt)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + parity * L::DQ_BYTES + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
-                         "f"(dq[nt * 4] * a.scale), "f"(dq[nt * 4 + 1] * a.scale), "f"(dq[nt * 4 + 2] * a.scale),
-                         "f"(dq[nt * 4 + 3] * a.scale)
-                         : "memory");
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + mnstep(kk), kq_mnmajor + half * kq_half + mnstep(kk), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();  // (dV, dK and) this half of dQ
+#pragma unroll
+            for (int nt = 0; nt < DQ_COLS / 8; ++nt)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + half * L::DQ_HALF_BYTES + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
+                             "f"(dq[nt * 4] * a.scale), "f"(dq[nt * 4 + 1] * a.scale), "f"(dq[nt * 4 + 2] * a.scale),
+                             "f"(dq[nt * 4 + 3] * a.scale)
+                             : "memory");
+        }
         fence_async_shared();
         named_sync(DQ_BARRIER + wg, 128);
-        if (tid % 128 == 0) {
-            float* block_dq = dq_accum + (((b * a.heads + h) * a.row_tiles + qt) * BWD_WARPGROUPS + wg) * (64 * DQ_COLS);
-            bulk_reduce_add(block_dq, dq_stage + parity * L::DQ_BYTES, L::DQ_BYTES);
+        if (wtid == 0) {
+            float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D);
+            bulk_reduce_add(block_dq, dq_stage, 2 * L::DQ_HALF_BYTES);
         }
         if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
         if (tid < 32) {
@@ -843,7 +847,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
         item = item_next;
     }
-    if (tid % 128 == 0) bulk_wait_all();  // the last reduction is done with shared memory
+    if (wtid == 0) bulk_wait_all();  // the last reduction is done with shared memory
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
