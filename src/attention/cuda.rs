@@ -704,18 +704,23 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         hg.view::<T>()?,
     );
     // The Hopper backward where it runs the problem (not in deterministic mode: it adds dq with
-    // atomics) and TMA describes the operands.
+    // bulk reductions in a varying order) and TMA describes the operands. The maps hold raw
+    // addresses: the `_read` guards keep the operands' stream ordering until the launches are
+    // queued.
+    let stream = dev.cuda_stream();
+    let (q_ptr, _q_read) = qv.device_ptr(&stream);
+    let (k_ptr, _k_read) = kv.device_ptr(&stream);
+    let (v_ptr, _v_read) = vv.device_ptr(&stream);
+    let (g_ptr, _g_read) = gv.device_ptr(&stream);
     let hopper = match path.hopper_forward(dev)? {
         Some(head_tile) if !p.deterministic => {
-            let stream = dev.cuda_stream();
-            let ptr = |v: &CudaView<'_, T>| v.device_ptr(&stream).0;
             let (q_dims, kv_dims) = ([p.batch, p.heads, p.m], [p.batch, p.kv_heads, p.n]);
             let grad_strides = [p.heads * p.m * p.dv, p.m * p.dv, p.dv];
             let maps = [
-                TensorMap::tiles::<T>(ptr(&qv), q_dims, p.d, strides_of(q.layout()))?,
-                TensorMap::tiles::<T>(ptr(&kv), kv_dims, p.d, strides_of(k.layout()))?,
-                TensorMap::tiles::<T>(ptr(&vv), kv_dims, p.dv, strides_of(v.layout()))?,
-                TensorMap::tiles::<T>(ptr(&gv), q_dims, p.dv, grad_strides)?,
+                TensorMap::tiles::<T>(q_ptr, q_dims, p.d, strides_of(q.layout()))?,
+                TensorMap::tiles::<T>(k_ptr, kv_dims, p.d, strides_of(k.layout()))?,
+                TensorMap::tiles::<T>(v_ptr, kv_dims, p.dv, strides_of(v.layout()))?,
+                TensorMap::tiles::<T>(g_ptr, q_dims, p.dv, grad_strides)?,
             ];
             match maps {
                 [Some(q), Some(k), Some(v), Some(g)] => Some((head_tile, [q, k, v, g])),
