@@ -405,6 +405,26 @@ impl Path {
     }
 }
 
+/// The Hopper kernel `stem_{generated,stored}_d{head_tile}_{dtype}` for a mask (generated masks:
+/// full, causal, window; stored tile states: documents, dense), allowed `shared` bytes of dynamic
+/// shared memory.
+fn hopper_kernel<T: WithDType>(
+    dev: &CudaDevice, stem: &str, mask: &DeviceMask, head_tile: usize, shared: usize,
+) -> Result<Kernel> {
+    let masks = if mask.args.kind <= C::MASK_WINDOW {
+        "generated"
+    } else {
+        "stored"
+    };
+    let kernel = Kernel::load_typed::<T>(
+        dev,
+        Module::AttentionSm90,
+        &[stem, masks, &format!("d{head_tile}")],
+    )?;
+    kernel.allow_dynamic_shared(shared)?;
+    Ok(kernel)
+}
+
 /// The Hopper forward kernel of a mask and head tile, and its launch: a block of a producer
 /// warpgroup and `HOPPER_CONSUMERS` consumer warpgroups per `HOPPER_CONSUMERS` query tiles of a
 /// (batch, head); shared memory for its mbarriers, a Q tile per consumer and `HOPPER_STAGES_D*`
@@ -414,24 +434,13 @@ fn hopper_forward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
     let consumers = C::HOPPER_CONSUMERS;
-    let masks = if mask.args.kind <= C::MASK_WINDOW {
-        "generated"
-    } else {
-        "stored"
-    };
-    let kernel = Kernel::load_typed::<T>(
-        dev,
-        Module::AttentionSm90,
-        &["attention_fwd_sm90", masks, &format!("d{head_tile}")],
-    )?;
-    let tile = 64 * head_tile * 2;
     let stages = if head_tile == 64 {
         C::HOPPER_STAGES_D64
     } else {
         C::HOPPER_STAGES_D128
     };
-    let shared = C::HOPPER_BARRIER_BYTES + (consumers + 2 * stages) * tile;
-    kernel.allow_dynamic_shared(shared)?;
+    let shared = C::HOPPER_BARRIER_BYTES + (consumers + 2 * stages) * 64 * head_tile * 2;
+    let kernel = hopper_kernel::<T>(dev, "attention_fwd_sm90", mask, head_tile, shared)?;
     let blocks = p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(consumers);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -452,16 +461,6 @@ const HOPPER_BWD_WARPGROUPS: usize = 2;
 fn hopper_backward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
-    let masks = if mask.args.kind <= C::MASK_WINDOW {
-        "generated"
-    } else {
-        "stored"
-    };
-    let kernel = Kernel::load_typed::<T>(
-        dev,
-        Module::AttentionSm90,
-        &["attention_bwd_sm90", masks, &format!("d{head_tile}")],
-    )?;
     let tile = 64 * head_tile * 2;
     let stages = if head_tile == 64 {
         C::HOPPER_BWD_STAGES_D64
@@ -472,7 +471,7 @@ fn hopper_backward_kernel<T: WithDType>(
     let shared = C::HOPPER_BARRIER_BYTES
         + (2 * warpgroups + 2 * stages) * tile
         + warpgroups * (TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4 + TILE_Q * head_tile * 4);
-    kernel.allow_dynamic_shared(shared)?;
+    let kernel = hopper_kernel::<T>(dev, "attention_bwd_sm90", mask, head_tile, shared)?;
     let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K * warpgroups);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -864,20 +863,16 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     let dq = match (dq, dq_accum) {
         (Some(dq), _) => wrap(dq, q),
-        (None, Some(acc)) => {
-            let cols = accum_cols.unwrap_or(FUSED_HEAD_TILE);
-            let len = acc.len();
-            let acc = Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-                len,
-                BackpropOp::none(),
-                false,
-            );
-            let rows = acc
-                .reshape((p.batch, p.heads, padded_m, cols))?
-                .to_dtype(T::DTYPE)?;
-            rows.narrow(2, 0, p.m)?.narrow(3, 0, p.d)?.contiguous()?
-        }
+        // The fused pass (the Hopper one has its dq from dq_rows).
+        (None, Some(acc)) => Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
+            (p.batch, p.heads, padded_m, FUSED_HEAD_TILE),
+            BackpropOp::none(),
+            false,
+        )
+        .narrow(2, 0, p.m)?
+        .narrow(3, 0, p.d)?
+        .to_dtype(T::DTYPE)?,
         (None, None) => bail!("{OP}: internal error, the backward has no dq"),
     };
     Ok((dq, wrap(dk, k), wrap(dv, v)))

@@ -366,28 +366,39 @@ fn every_dtype_shape_and_layout() -> Result<()> {
 /// Sequences of several blocks of query tiles (the Hopper forward takes four tiles of 64 queries
 /// a block, the portable one two), a ragged last tile, every mask kind, both fast head dims and
 /// d != dv below them, in the 16-bit types (f32 where those have no tensor-core kernels).
+/// The masks of the long-sequence tests: every kind, documents and dense bytes drawn for `b`
+/// sequences of `m` tokens (`salt`, `salt + 1`).
+fn long_sequence_masks(b: usize, m: usize, salt: u64) -> [(&'static str, Spec); 5] {
+    [
+        ("causal", Spec::Causal),
+        ("full", Spec::Full),
+        ("window 100", Spec::Window(100)),
+        (
+            "documents causal",
+            Spec::Documents(documents(b, m, salt), true),
+        ),
+        (
+            "dense [b, m, n]",
+            Spec::Dense(random_bytes(b * m * m, 0.4, salt + 1), [b, 1, m, m], 3),
+        ),
+    ]
+}
+
+/// The dtypes of the long-sequence tests: the tensor-core ones on CUDA, f32 on the CPU.
+fn long_sequence_dtypes(dev: &Device) -> Vec<DType> {
+    if dev.is_cuda() {
+        vec![DType::BF16, DType::F16]
+    } else {
+        vec![DType::F32]
+    }
+}
+
 #[test]
 fn long_sequences_every_mask() -> Result<()> {
     for_each_device(|dev| {
         let (b, m) = (2, 389);
-        let specs = [
-            ("causal", Spec::Causal),
-            ("full", Spec::Full),
-            ("window 100", Spec::Window(100)),
-            (
-                "documents causal",
-                Spec::Documents(documents(b, m, 21), true),
-            ),
-            (
-                "dense [b, m, n]",
-                Spec::Dense(random_bytes(b * m * m, 0.4, 22), [b, 1, m, m], 3),
-            ),
-        ];
-        let dtypes = if dev.is_cuda() {
-            vec![DType::BF16, DType::F16]
-        } else {
-            vec![DType::F32]
-        };
+        let specs = long_sequence_masks(b, m, 21);
+        let dtypes = long_sequence_dtypes(dev);
         for (name, spec) in &specs {
             for dtype in &dtypes {
                 for (d, dv) in [(128, 128), (64, 64), (40, 72)] {
@@ -610,24 +621,8 @@ fn gradients_match_composed_attention() -> Result<()> {
 fn long_sequences_gradients_every_mask() -> Result<()> {
     for_each_device(|dev| {
         let (b, h, hk, m) = (2, 4, 2, 333);
-        let specs = [
-            ("causal", Spec::Causal),
-            ("full", Spec::Full),
-            ("window 100", Spec::Window(100)),
-            (
-                "documents causal",
-                Spec::Documents(documents(b, m, 23), true),
-            ),
-            (
-                "dense [b, m, n]",
-                Spec::Dense(random_bytes(b * m * m, 0.4, 24), [b, 1, m, m], 3),
-            ),
-        ];
-        let dtypes = if dev.is_cuda() {
-            vec![DType::BF16, DType::F16]
-        } else {
-            vec![DType::F32]
-        };
+        let specs = long_sequence_masks(b, m, 23);
+        let dtypes = long_sequence_dtypes(dev);
         for dtype in dtypes {
             for (name, spec) in &specs {
                 for (d, dv) in [(128, 128), (64, 64), (40, 72)] {
