@@ -64,6 +64,31 @@ if [[ ! -f "$root/.ready" ]]; then
     touch "$root/.ready"
 fi
 
+# libnccl (the `nccl` feature) is not among the toolkit wheels either: a link-time stub with
+# soname libnccl.so.2 exporting every NCCL entry point cudarc declares. Each returns
+# ncclSystemError (2), so `dist::NcclGroup` reports "NCCL unavailable" here; on a GPU machine the
+# system's libnccl.so.2 (2.28 on the H200 hosts) is loaded instead.
+if [[ ! -f "$root/lib/stubs/libnccl.so.2" ]]; then
+    nccl_rs=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/nccl/sys/mod.rs 2>/dev/null | tail -n1 || true)
+    if [[ -z "$nccl_rs" ]]; then
+        (cd "$repo" && cargo fetch -q >&2)
+        nccl_rs=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/nccl/sys/mod.rs | tail -n1)
+    fi
+    stub_c="$top/libnccl_stub.c"
+    {
+        echo 'static const char message[] = "libnccl.so.2 is the build stub: no NCCL on this machine";'
+        echo 'const char *ncclGetErrorString(int result) { (void)result; return message; }'
+        echo 'const char *ncclGetLastError(void *comm) { (void)comm; return message; }'
+        grep -o 'pub unsafe fn nccl[A-Za-z0-9_]*' "$nccl_rs" | awk '{print $4}' | sort -u |
+            grep -v -x -e ncclGetErrorString -e ncclGetLastError |
+            awk '{printf "int %s(void) { return 2; }\n", $1}'
+    } > "$stub_c"
+    mkdir -p "$root/lib/stubs"
+    gcc -shared -fPIC -Wl,-soname,libnccl.so.2 -o "$root/lib/stubs/libnccl.so.2" "$stub_c"
+    ln -sf libnccl.so.2 "$root/lib/stubs/libnccl.so"
+    log "libnccl stub: $(grep -c '^int\|^const' "$stub_c") entry points"
+fi
+
 echo "export CUDA_ROOT=$root"
 echo "export PATH=$root/bin:\$PATH"
 echo "export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}"

@@ -66,6 +66,7 @@ mod cpu;
 mod cuda;
 mod determinism;
 mod dispatch;
+pub mod dist;
 mod kernel_constants;
 mod matmul;
 pub mod optim;

@@ -3,10 +3,13 @@
 //! with `cuda` and a GPU is present. `cargo test --test ops <module>` runs one family.
 
 mod common;
+#[path = "../shared/dist_checks.rs"]
+mod dist_checks;
 
 mod attention;
 
 mod bias_add;
+mod dist;
 mod matmul;
 mod matmul_f32_modes;
 mod props;

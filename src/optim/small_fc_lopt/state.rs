@@ -200,6 +200,22 @@ impl SmallFcLOpt {
         candle_core::safetensors::save(&map, path)
     }
 
+    /// Bytes of optimizer state held for the variables (f32 momenta, rms accumulator and
+    /// Adafactor factors; the MLP's weights and the step counter not counted).
+    pub fn state_bytes(&self) -> usize {
+        self.states
+            .iter()
+            .map(|s| {
+                let factors = match &s.factors {
+                    Factors::Matrix { row, col, .. } => row.elem_count() + col.elem_count(),
+                    Factors::Vector { full } => full.iter().map(Tensor::elem_count).sum(),
+                };
+                let accumulators: usize = s.momentum.iter().map(Tensor::elem_count).sum();
+                (accumulators + s.rms.elem_count() + factors) * std::mem::size_of::<f32>()
+            })
+            .sum()
+    }
+
     /// Restores a state written by [`SmallFcLOpt::save_state`] onto the variables of the same
     /// names, whatever their order. The file must hold exactly this optimizer's variable names
     /// with the same shapes: otherwise the error names the first mismatch (a missing or extra
