@@ -79,7 +79,7 @@ pub struct Batch {
 }
 
 /// Random positions: each side has between max_active / 2 and max_active distinct-ish features.
-fn random_batch(cfg: &Config, rng: &mut Rng, dev: &Device) -> Result<Batch> {
+pub fn random_batch(cfg: &Config, rng: &mut Rng, dev: &Device) -> Result<Batch> {
     let mut side = || {
         let mut idx = vec![-1i32; cfg.batch * cfg.max_active];
         for row in idx.chunks_mut(cfg.max_active) {
@@ -100,17 +100,17 @@ fn random_batch(cfg: &Config, rng: &mut Rng, dev: &Device) -> Result<Batch> {
 }
 
 /// A small xorshift generator: the example needs reproducible data, not statistical quality.
-struct Rng(u64);
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
     }
 }
 

@@ -62,7 +62,7 @@ fi
 # nvrtc) wherever that machine keeps them.
 cat > "$bundle/libs.sh" <<'LIBS'
 libdirs=/usr/local/cuda/lib64
-for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13; do
+for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libcudart.so.13 libnccl.so.2; do
     found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)
     [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
 done

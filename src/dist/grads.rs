@@ -58,7 +58,7 @@ pub struct GradAllReduce {
 }
 
 impl GradAllReduce {
-    /// Buckets `vars` (sorted by name here) and checks, with one all-gather, that every rank of
+    /// Buckets `vars` (sorted by name here; empty ones left out) and checks, with one all-gather, that every rank of
     /// `group` holds the same names, shapes and dtypes and the same bucket configuration.
     /// Names must be unique.
     pub fn new<C: Collectives + ?Sized>(
@@ -87,6 +87,10 @@ impl GradAllReduce {
         let mut buckets = Vec::new();
         let mut start = 0;
         let mut bytes = 0;
+        let hash = layout_hash(&vars, &config);
+        // Empty variables have nothing to average (and CUDA launches nothing for them): their
+        // gradients are left as they are.
+        vars.retain(|(_, var)| var.elem_count() > 0);
         for (i, (_, var)) in vars.iter().enumerate() {
             let var_bytes = (var.elem_count() + 1) * wire_bytes;
             if i > start && bytes + var_bytes > config.bucket_bytes {
@@ -104,11 +108,11 @@ impl GradAllReduce {
             buckets,
             config,
         };
-        check_same_on_every_rank(group, reducer.layout_hash(), "variables")?;
+        check_same_on_every_rank(group, hash, "variables")?;
         Ok(reducer)
     }
 
-    /// The variables, in bucket order (by name).
+    /// The variables, in bucket order (by name), without the empty ones.
     pub fn vars(&self) -> &[(String, Var)] {
         &self.vars
     }
@@ -122,6 +126,9 @@ impl GradAllReduce {
     pub fn all_reduce<C: Collectives + ?Sized>(
         &self, grads: &mut GradStore, group: &C,
     ) -> Result<()> {
+        if group.world_size() == 1 {
+            return Ok(()); // the mean over one rank
+        }
         let wire = self.config.wire.dtype();
         for bucket in &self.buckets {
             let vars = &self.vars[bucket.clone()];
@@ -175,22 +182,22 @@ impl GradAllReduce {
         }
         Ok(())
     }
+}
 
-    /// FNV-1a over the names, shapes, dtypes and bucket configuration.
-    fn layout_hash(&self) -> u64 {
-        let mut h = Fnv::default();
-        h.write(&(self.config.bucket_bytes as u64).to_le_bytes());
-        h.write(&[self.config.wire as u8]);
-        for (name, var) in &self.vars {
-            h.write(name.as_bytes());
-            h.write(&[0xff]);
-            for d in var.dims() {
-                h.write(&(*d as u64).to_le_bytes());
-            }
-            h.write(var.dtype().as_str().as_bytes());
+/// FNV-1a over the names, shapes, dtypes and bucket configuration.
+fn layout_hash(vars: &[(String, Var)], config: &BucketConfig) -> u64 {
+    let mut h = Fnv::default();
+    h.write(&(config.bucket_bytes as u64).to_le_bytes());
+    h.write(&[config.wire as u8]);
+    for (name, var) in vars {
+        h.write(name.as_bytes());
+        h.write(&[0xff]);
+        for d in var.dims() {
+            h.write(&(*d as u64).to_le_bytes());
         }
-        h.0
+        h.write(var.dtype().as_str().as_bytes());
     }
+    h.0
 }
 
 /// 64-bit FNV-1a: a stable hash (std's `DefaultHasher` may differ between builds).

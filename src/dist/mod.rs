@@ -105,26 +105,34 @@ pub trait Collectives {
     fn broadcast_vars(&self, vars: &[(Var, usize)]) -> Result<()>;
 }
 
-impl<C: Collectives + ?Sized> Collectives for std::sync::Arc<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn device(&self) -> &Device {
-        (**self).device()
-    }
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        (**self).all_reduce(tensor, op)
-    }
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        (**self).all_gather(tensor)
-    }
-    fn broadcast_vars(&self, vars: &[(Var, usize)]) -> Result<()> {
-        (**self).broadcast_vars(vars)
-    }
+/// A shared group (`Rc` / `Arc` of one) is a group: several wrappers (a `DataParallel`, a sharded
+/// optimizer, the training loop) can hold the same one.
+macro_rules! shared_group {
+    ($pointer:ty) => {
+        impl<C: Collectives + ?Sized> Collectives for $pointer {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn device(&self) -> &Device {
+                (**self).device()
+            }
+            fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+                (**self).all_reduce(tensor, op)
+            }
+            fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+                (**self).all_gather(tensor)
+            }
+            fn broadcast_vars(&self, vars: &[(Var, usize)]) -> Result<()> {
+                (**self).broadcast_vars(vars)
+            }
+        }
+    };
 }
+shared_group!(std::rc::Rc<C>);
+shared_group!(std::sync::Arc<C>);
 
 /// Checks that every rank passed the same `value` (e.g. a hash of its variables): gathers it
 /// from all ranks and names the first rank that differs from rank 0.

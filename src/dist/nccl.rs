@@ -24,7 +24,7 @@ pub struct NcclGroup {
 }
 
 fn nccl_err(what: &str, e: nccl::NcclError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("dist: NCCL {what}: {e:?}"))
+    candle_core::Error::Msg(format!("dist: NCCL {what}: {:?}", e.0))
 }
 
 impl NcclGroup {

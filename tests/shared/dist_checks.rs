@@ -95,6 +95,11 @@ pub fn check_grad_all_reduce<C: Collectives>(
     let tol = round_tol(dtype) + wire_tol;
     for (i, ((name, shape), (_, var))) in shapes.iter().zip(&vars).enumerate() {
         let got = grads.get(var.as_tensor());
+        if *name == "b.empty" {
+            // Nothing to average: the rank's own (empty) gradient stays.
+            assert_eq!(got.map(|g| g.dims().to_vec()), Some(vec![0, 4]), "{name}");
+            continue;
+        }
         if *name == "g.nobody" {
             assert!(
                 got.is_none(),
@@ -266,10 +271,10 @@ pub fn ddp_losses<C: Collectives>(group: C, per_rank: usize, steps: usize) -> Re
     Ok(losses)
 }
 
-fn lopt_params(dev: &Device) -> Result<ParamsSmallFcLOpt> {
-    Ok(ParamsSmallFcLOpt::new(MlpWeights::from_safetensors(
-        MLP, dev,
-    )?))
+fn lopt_params(dev: &Device, deterministic: bool) -> Result<ParamsSmallFcLOpt> {
+    let mut params = ParamsSmallFcLOpt::new(MlpWeights::from_safetensors(MLP, dev)?);
+    params.backend.deterministic = Some(deterministic);
+    Ok(params)
 }
 
 /// Named variables of assorted sizes (balanced enough for a two-way split within 0.55).
@@ -334,23 +339,30 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>], tol: f64, what: &str) {
     }
 }
 
-/// The sharded optimizer gives the unsharded parameters (bit for bit where `tol` is 0), holds at
-/// most 0.55x of the state on each of 2+ ranks, and its saved shards resume exactly.
+/// The sharded optimizer gives the unsharded parameters (bit for bit in deterministic mode and
+/// on the CPU, else within 1e-6 of each tensor's largest element), holds at most 0.55x of the
+/// state on each of 2+ ranks, and its saved shards resume (exactly where deterministic).
 pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
-    group: C, tol: f64, dir: &std::path::Path,
+    group: C, deterministic: bool, dir: &std::path::Path,
 ) -> Result<()> {
     let dev = group.device().clone();
+    let tol: f64 = if deterministic || dev.is_cpu() {
+        0.0
+    } else {
+        1e-6
+    };
     let (rank, world) = (group.rank(), group.world_size());
     // The unsharded reference on this rank, from the same initial values.
     let ref_vars = lopt_vars(&dev)?;
-    let mut reference = SmallFcLOpt::new_named(ref_vars.clone(), lopt_params(&dev)?)?;
+    let mut reference =
+        SmallFcLOpt::new_named(ref_vars.clone(), lopt_params(&dev, deterministic)?)?;
     let vars = lopt_vars(&dev)?;
     let mut given = vars.clone();
     let shift = rank % given.len();
     given.rotate_left(shift);
     let mut sharded = ShardedSmallFcLOpt::new(
         given,
-        lopt_params(&dev)?,
+        lopt_params(&dev, deterministic)?,
         group.clone(),
         BucketConfig::default(),
     )?;
@@ -393,7 +405,7 @@ pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
     }
     let mut resumed = ShardedSmallFcLOpt::new(
         vars.clone(),
-        lopt_params(&dev)?,
+        lopt_params(&dev, deterministic)?,
         group.clone(),
         BucketConfig::default(),
     )?;
@@ -405,7 +417,7 @@ pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
     compare(
         &snapshot(&vars)?,
         &final_params,
-        0.0,
+        tol,
         &format!("rank {rank} resumed"),
     );
     // Another world size has no shard for this rank under that name.
