@@ -9,6 +9,7 @@
 #     # on the GPU machine, from the repository root:
 #     bash target/gpu-bundle/run.sh OUTDIR [bench filters...]
 #     bash target/gpu-bundle/sanitize.sh OUTDIR [TOOL...]   # compute-sanitizer over every test binary
+#     bash target/gpu-bundle/ddp.sh OUTDIR [GPUS]   # several GPUs (GPU_BUNDLE_FEATURES=nccl)
 #
 # run.sh unpacks, finds the CUDA libraries on that machine, runs every GPU test (one thread, so
 # output stays readable), the examples and the bench, and writes tests.log, bench.log, ops.jsonl and
@@ -140,6 +141,54 @@ echo "run.sh: exit $status"
 exit $status
 RUN
 chmod +x "$bundle/run.sh"
+
+cat > "$bundle/ddp.sh" <<'DDP'
+#!/usr/bin/env bash
+# Several GPUs (a bundle built with GPU_BUNDLE_FEATURES=nccl holding test-nccl and
+# example-ddp_train): ddp.sh OUTDIR [GPUS]. The NCCL tests, then on 1 and GPUS GPUs: the NNUE's
+# throughput at the same per-GPU batch, the sharded small_fc_lopt step at 354M parameters, the
+# all-reduce of 256 MiB beside PyTorch's (torch.distributed.run) in the same job. Logs in OUTDIR.
+set -u
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${1:?usage: ddp.sh OUTDIR [GPUS]}
+gpus=${2:-2}
+mkdir -p "$out"
+work=$(mktemp -d)
+for f in "$here"/bin/*.xz; do
+    name=$(basename "${f%.xz}")
+    xz -dc "$f" > "$work/$name" && chmod +x "$work/$name"
+done
+source "$here/libs.sh"
+export NCCL_NVLS_ENABLE=0
+cd "$here/../.."
+nvidia-smi topo -m > "$out/topo.txt" 2>&1
+status=0
+{
+    echo "=== test-nccl"
+    timeout 600 "$work/test-nccl" --test-threads=1 --nocapture || status=1
+    echo "=== test-ops dist::"
+    timeout 600 "$work/test-ops" dist:: --test-threads=1 || status=1
+} > "$out/tests.log" 2>&1
+grep -E "^===|test result|SKIPPED" "$out/tests.log"
+nnue="--inputs 22528 --hidden 1024 --batch 16384 --steps 200 --log-every 50"
+for n in 1 "$gpus"; do
+    for opt in adamw lopt; do
+        echo "=== ddp_train --gpus $n --optimizer $opt" | tee -a "$out/ddp.log"
+        timeout 300 "$work/example-ddp_train" --gpus "$n" $nnue --optimizer "$opt" 2>&1 | tee -a "$out/ddp.log" | tail -n 3
+    done
+    echo "=== zero bench --gpus $n" | tee -a "$out/ddp.log"
+    timeout 300 "$work/example-ddp_train" --gpus "$n" --zero-bench 2>&1 | tee -a "$out/ddp.log"
+done
+for mib in 16 256 1024; do
+    echo "=== all-reduce $mib MiB" | tee -a "$out/ddp.log"
+    timeout 120 "$work/example-ddp_train" --gpus "$gpus" --allreduce-bench "$mib" 2>&1 | tee -a "$out/ddp.log"
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node "$gpus" scripts/torch_allreduce.py "$mib" "$out/torch.jsonl" 2>&1 | grep '^{' | tee -a "$out/ddp.log"
+done
+rm -rf "$work"
+echo "ddp.sh: exit $status"
+exit $status
+DDP
+chmod +x "$bundle/ddp.sh"
 
 cat > "$bundle/sweep.sh" <<'SWEEP'
 #!/usr/bin/env bash

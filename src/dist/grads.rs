@@ -156,7 +156,8 @@ impl GradAllReduce {
             }
             parts.push(Tensor::new(flags.as_slice(), group.device())?.to_dtype(wire)?);
             let flat = Tensor::cat(&parts, 0)?;
-            let mean = group.all_reduce(&flat, ReduceOp::Avg)?;
+            // `flat` is this call's own buffer: reduced in place.
+            let mean = group.all_reduce_in_place(flat, ReduceOp::Avg)?;
             let total: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
             // Every variable has a gradient here, so it has one after the mean: no need to read
             // the flags back (which would wait for the device).

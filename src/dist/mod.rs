@@ -98,6 +98,13 @@ pub trait Collectives {
     /// The element-wise sum (or mean) of `tensor` over the ranks, as a new contiguous tensor of
     /// its shape. f32, f64, f16, bf16, u32 and i64 are accepted.
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    /// [`Collectives::all_reduce`] that may reduce in `tensor`'s own storage and return it, as
+    /// `torch.distributed.all_reduce` does (no output allocation or copy; NCCL reduces a
+    /// contiguous tensor in place). Pass a tensor nothing else reads: any other tensor that
+    /// shares its storage sees the result.
+    fn all_reduce_in_place(&self, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce(&tensor, op)
+    }
     /// The ranks' `tensor`s concatenated along a new leading dim: `[world_size, ..shape]`.
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor>;
     /// For each `(var, root)`: every rank's `var` takes `root`'s values, in place. The calls are
@@ -121,6 +128,9 @@ macro_rules! shared_group {
             }
             fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
                 (**self).all_reduce(tensor, op)
+            }
+            fn all_reduce_in_place(&self, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
+                (**self).all_reduce_in_place(tensor, op)
             }
             fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
                 (**self).all_gather(tensor)

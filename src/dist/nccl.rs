@@ -115,14 +115,63 @@ impl AllReduce<'_> {
         let src = storage.as_cuda_slice::<T>()?.slice(start..end);
         // SAFETY: NCCL writes every element before the stream runs anything that reads it.
         let mut dst = unsafe { dev.alloc::<T>(end - start)? };
-        let op = match self.op {
-            ReduceOp::Sum => NcclOp::Sum,
-            ReduceOp::Avg => NcclOp::Avg,
-        };
+
         self.comm
-            .all_reduce(&src, &mut dst, &op)
+            .all_reduce(&src, &mut dst, &self.nccl_op())
             .map_err(|e| nccl_err("all_reduce", e))?;
         Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
+    }
+}
+
+impl AllReduce<'_> {
+    fn run_in_place<T: NcclType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+        &self, storage: &mut CudaStorage, layout: &Layout,
+    ) -> Result<()> {
+        let (start, end) = contiguous_range(layout, "all_reduce")?;
+        let slice = storage.as_cuda_slice_mut::<T>()?;
+        let mut view = slice.slice_mut(start..end);
+        self.comm
+            .all_reduce_in_place(&mut view, &self.nccl_op())
+            .map_err(|e| nccl_err("all_reduce", e))?;
+        Ok(())
+    }
+
+    fn nccl_op(&self) -> NcclOp {
+        match self.op {
+            ReduceOp::Sum => NcclOp::Sum,
+            ReduceOp::Avg => NcclOp::Avg,
+        }
+    }
+
+    fn check_dtype(&self, dtype: DType) -> Result<()> {
+        let float = matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+        if self.op == ReduceOp::Avg && !float {
+            bail!("dist: all_reduce Avg of {dtype:?}");
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp1 for AllReduce<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-reduce-in-place"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        bail!("dist: NcclGroup::all_reduce of a CPU tensor")
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> Result<()> {
+        self.check_dtype(storage.dtype())?;
+        match storage.dtype() {
+            DType::F32 => self.run_in_place::<f32>(storage, layout),
+            DType::F64 => self.run_in_place::<f64>(storage, layout),
+            DType::F16 => self.run_in_place::<half::f16>(storage, layout),
+            DType::BF16 => self.run_in_place::<half::bf16>(storage, layout),
+            DType::U32 => self.run_in_place::<u32>(storage, layout),
+            DType::I64 => self.run_in_place::<i64>(storage, layout),
+            dt => bail!("dist: all_reduce of {dt:?}"),
+        }
     }
 }
 
@@ -137,13 +186,7 @@ impl candle_core::CustomOp1 for AllReduce<'_> {
 
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = &storage.device;
-        let float = matches!(
-            storage.dtype(),
-            DType::F32 | DType::F64 | DType::F16 | DType::BF16
-        );
-        if self.op == ReduceOp::Avg && !float {
-            bail!("dist: all_reduce Avg of {:?}", storage.dtype());
-        }
+        self.check_dtype(storage.dtype())?;
         let out = match storage.dtype() {
             DType::F32 => self.run::<f32>(storage, layout, dev)?,
             DType::F64 => self.run::<f64>(storage, layout, dev)?,
@@ -275,6 +318,18 @@ impl Collectives for NcclGroup {
             comm: &self.comm,
             op,
         })
+    }
+
+    fn all_reduce_in_place(&self, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.check_device(&tensor, "all_reduce")?;
+        if !tensor.is_contiguous() {
+            return self.all_reduce(&tensor, op);
+        }
+        tensor.inplace_op1(&AllReduce {
+            comm: &self.comm,
+            op,
+        })?;
+        Ok(tensor)
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
