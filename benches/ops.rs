@@ -673,6 +673,32 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
                 || adamw.step(&grads),
             )?;
         }
+        // The crate's fused AdamW against candle_nn's on the same parameters (PyTorch's fused
+        // AdamW is the anchor of the GPT-2-medium row: "354M/289 AdamW").
+        {
+            let mut fused = candle_fastops::optim::AdamW::new(
+                vars.clone(),
+                candle_nn::ParamsAdamW {
+                    lr: 1e-3,
+                    ..Default::default()
+                },
+            )?;
+            let mut adamw = candle_nn::AdamW::new_lr(vars.clone(), 1e-3)?;
+            let case = match name.split_once(' ') {
+                Some(("gpt2-medium", rest)) => format!("{rest} AdamW"),
+                _ => format!("{name} AdamW"),
+            };
+            // Reads p, g, m, v and writes p, m, v: 28 bytes per parameter.
+            b.compare(
+                OP,
+                &case,
+                DType::F32,
+                Work::Bytes(params as f64 * 28.0),
+                || fused.step(&grads),
+                "candle_nn AdamW step",
+                || adamw.step(&grads),
+            )?;
+        }
         if !dev.is_cuda() {
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
             params.backend.fused = false;

@@ -82,6 +82,16 @@ pub mod small_fc_lopt {
     pub const HIDDEN: usize = 32;
 }
 
+/// optim::AdamW, the multi-tensor step.
+pub mod adamw {
+    /// Threads per block.
+    pub const THREADS: usize = 256;
+    /// Tensors per launch (the size of the kernel's `AdamWTensors` argument).
+    pub const GROUP: usize = 48;
+    /// Elements per block (a block walks one chunk of one tensor).
+    pub const CHUNK: usize = 8192;
+}
+
 /// masked_attention.
 pub mod attention {
     /// Queries and keys per tile of the tensor-core kernels (and of the mask's tile states).

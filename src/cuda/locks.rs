@@ -1,11 +1,11 @@
-//! Locking many tensors at once for a multi-tensor kernel step: written tensors through
+//! Locking many tensors at once for a multi-tensor kernel step (small_fc_lopt, AdamW): written tensors through
 //! candle's in-place op path (write locks), read ones through read locks, in candle's lock order.
 
 use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::{bail, DType, Result, Storage, Tensor};
 
-/// Calls `f` with the device address of the first element of each of `tensors` (4-byte
-/// elements), every one held locked meanwhile: `(tensor, true)` write-locked through candle's
+/// Calls `f` with the device address of the first element of each of `tensors` (u32, f32, f16
+/// or bf16), every one held locked meanwhile: `(tensor, true)` write-locked through candle's
 /// in-place op path (the kernels write it), `(tensor, false)` read-locked. Write locks are taken
 /// in the order of their storages' addresses, as candle orders its own, so two threads never wait
 /// on each other. Two written tensors sharing a storage, or a read one sharing a written one's (a
@@ -122,12 +122,15 @@ fn first_element_address(
     op: &str, s: &candle_core::CudaStorage, layout: &candle_core::Layout,
 ) -> Result<u64> {
     let stream = s.device.cuda_stream();
-    let base = match candle_core::backend::BackendStorage::dtype(s) {
+    let dtype = candle_core::backend::BackendStorage::dtype(s);
+    let base = match dtype {
         DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
         DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
         other => bail!("{op}: internal error, a {other:?} buffer in the step"),
     };
-    Ok(base + 4 * layout.start_offset() as u64)
+    Ok(base + (dtype.size_in_bytes() * layout.start_offset()) as u64)
 }
 
 /// The in-place op through which [`lock_next`] holds a written tensor's write lock while it
@@ -143,7 +146,7 @@ struct WriteLocked<'a, 'b> {
 
 impl candle_core::InplaceOp1 for WriteLocked<'_, '_> {
     fn name(&self) -> &'static str {
-        "fastops-small-fc-lopt-step"
+        "fastops-multi-tensor-step"
     }
 
     fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> Result<()> {

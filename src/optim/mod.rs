@@ -17,7 +17,13 @@
 //! opt.save_state("lopt_state.safetensors")?; // resume later with opt.load_state(...)
 //! # Ok::<(), candle_core::Error>(())
 //! ```
+//!
+//! [`AdamW`] is candle_nn's AdamW with the step fused (one pass over each parameter, gradient
+//! and moment; one CUDA launch for up to 48 tensors) and its state saved by name.
 
+mod adamw;
 mod small_fc_lopt;
+
+pub use adamw::AdamW;
 
 pub use small_fc_lopt::{LOptBackend, MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};

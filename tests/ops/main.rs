@@ -6,6 +6,7 @@ mod common;
 #[path = "../shared/dist_checks.rs"]
 mod dist_checks;
 
+mod adamw;
 mod attention;
 
 mod bias_add;
