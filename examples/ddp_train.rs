@@ -20,7 +20,8 @@ mod nnue;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fastops::dist::{
-    BucketConfig, Collectives, DataParallel, LocalGroup, ReduceOp, ShardedSmallFcLOpt, WireDType,
+    BucketConfig, Collectives, DataParallel, LocalGroup, ReduceOp, ShardedAdamW,
+    ShardedSmallFcLOpt, WireDType,
 };
 use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
@@ -85,13 +86,21 @@ fn parse() -> Result<Args> {
             "--zero-bench" => args.zero_bench = true,
             other => bail!(
                 "unknown argument {other} (try --gpus, --ranks, --steps, --batch, --inputs, \
-                 --hidden, --lr, --log-every, --optimizer adamw|lopt, --bucket-mib, --wire, \
+                 --hidden, --lr, --log-every, --optimizer adamw|fused-adamw|zero-adamw|lopt, \
+                 --bucket-mib, --wire, \
                  --allreduce-bench MIB, --zero-bench)"
             ),
         }
     }
-    if !matches!(args.optimizer.as_str(), "adamw" | "lopt") {
-        bail!("--optimizer {}: adamw or lopt", args.optimizer);
+    if !matches!(
+        args.optimizer.as_str(),
+        "adamw" | "fused-adamw" | "zero-adamw" | "lopt"
+    ) {
+        bail!(
+            "--optimizer {}: adamw (candle_nn's), fused-adamw (optim::AdamW), zero-adamw \
+             (optim::AdamW sharded) or lopt (small_fc_lopt sharded)",
+            args.optimizer
+        );
     }
     Ok(args)
 }
@@ -171,15 +180,33 @@ fn run<C: Collectives + Clone>(group: C, args: &Args) -> Result<()> {
 
     enum Opt<C> {
         AdamW(DataParallel<AdamW, C>),
+        Fused(DataParallel<candle_fastops::optim::AdamW, C>),
+        ZeroAdamW(Box<ShardedAdamW<C>>),
         Lopt(Box<ShardedSmallFcLOpt<C>>),
     }
+    let adamw_params = ParamsAdamW {
+        lr: cfg.learning_rate,
+        weight_decay: 0.0,
+        ..Default::default()
+    };
     let mut opt = match args.optimizer.as_str() {
+        "fused-adamw" => {
+            let fused = candle_fastops::optim::AdamW::new_named(named(&varmap), adamw_params)?;
+            Opt::Fused(DataParallel::new(
+                fused,
+                named(&varmap),
+                group.clone(),
+                args.bucket,
+            )?)
+        }
+        "zero-adamw" => Opt::ZeroAdamW(Box::new(ShardedAdamW::new(
+            named(&varmap),
+            adamw_params,
+            group.clone(),
+            args.bucket,
+        )?)),
         "adamw" => {
-            let params = ParamsAdamW {
-                lr: cfg.learning_rate,
-                weight_decay: 0.0,
-                ..Default::default()
-            };
+            let params = adamw_params;
             let adamw = AdamW::new(varmap.all_vars(), params)?;
             Opt::AdamW(DataParallel::new(
                 adamw,
@@ -232,6 +259,8 @@ fn run<C: Collectives + Clone>(group: C, args: &Args) -> Result<()> {
         let loss = (student.forward(&batch)? - target)?.sqr()?.mean_all()?;
         match &mut opt {
             Opt::AdamW(ddp) => ddp.backward_step(&loss)?,
+            Opt::Fused(ddp) => ddp.backward_step(&loss)?,
+            Opt::ZeroAdamW(sharded) => sharded.backward_step(&loss)?,
             Opt::Lopt(sharded) => sharded.backward_step(&loss)?,
         }
         window.1 += cfg.batch * world;

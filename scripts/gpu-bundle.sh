@@ -172,7 +172,7 @@ status=0
 grep -E "^===|test result|SKIPPED" "$out/tests.log"
 nnue="--inputs 22528 --hidden 1024 --batch 16384 --steps 200 --log-every 50"
 for n in 1 "$gpus"; do
-    for opt in adamw lopt; do
+    for opt in adamw fused-adamw zero-adamw lopt; do
         echo "=== ddp_train --gpus $n --optimizer $opt" | tee -a "$out/ddp.log"
         timeout 300 "$work/example-ddp_train" --gpus "$n" $nnue --optimizer "$opt" 2>&1 | tee -a "$out/ddp.log" | tail -n 3
     done

@@ -87,6 +87,7 @@ fn all_checks(world: usize) {
             check_sharded_small_fc_lopt(g, deterministic, &dir)
         });
     }
+    on_gpus(world, |g| check_sharded_adamw(g, &dir));
     std::fs::remove_dir_all(&dir).ok();
 }
 

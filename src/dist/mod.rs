@@ -16,9 +16,9 @@
 //!   buckets them the same way; at start-up the ranks compare a hash of their names, shapes and
 //!   dtypes and fail with a clear error when they differ.
 //! * [`DataParallel`] wraps any [`candle_nn::Optimizer`] (AdamW included): backward, all-reduce,
-//!   step. [`ShardedSmallFcLOpt`] keeps the state of [`crate::optim::SmallFcLOpt`] only for the
-//!   tensors a rank owns (a size-balanced partition of whole tensors), steps them, and broadcasts
-//!   the updated parameters from their owners.
+//!   step. [`Sharded`] ([`ShardedSmallFcLOpt`], [`ShardedAdamW`]) keeps an optimizer's state
+//!   only for the tensors a rank owns (a size-balanced partition of whole tensors), steps them,
+//!   and broadcasts the updated parameters from their owners.
 //!
 //! Overlap: candle's `Tensor::backward` returns the whole `GradStore` at its end and offers no
 //! per-gradient hook, so the all-reduce cannot start while the backward is still running. The
@@ -72,7 +72,7 @@ pub use local::LocalGroup;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
 pub use partition::partition_by_size;
-pub use zero::ShardedSmallFcLOpt;
+pub use zero::{ShardableOptimizer, Sharded, ShardedAdamW, ShardedSmallFcLOpt};
 
 use candle_core::{Device, Result, Tensor, Var};
 

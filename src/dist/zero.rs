@@ -1,37 +1,93 @@
-//! [`ShardedSmallFcLOpt`]: the learned optimizer's state sharded over the ranks (ZeRO-1).
+//! [`Sharded`]: an optimizer's state sharded over the ranks (ZeRO-1): [`ShardedSmallFcLOpt`],
+//! [`ShardedAdamW`].
 
 use super::{partition_by_size, BucketConfig, Collectives, GradAllReduce};
-use crate::optim::{ParamsSmallFcLOpt, SmallFcLOpt};
+use crate::optim::{AdamW, SmallFcLOpt};
 use candle_core::{backprop::GradStore, bail, Result, Tensor, Var};
 use std::path::{Path, PathBuf};
 
-/// [`SmallFcLOpt`] with its state sharded over the ranks of a process group (ZeRO stage 1).
+/// An optimizer [`Sharded`] can shard: built over named variables, its state saved and loaded
+/// by name. Implemented by [`SmallFcLOpt`] and [`AdamW`].
+pub trait ShardableOptimizer: candle_nn::Optimizer + Sized {
+    /// The optimizer over `vars` (possibly none: a rank may own no tensor).
+    fn new_named(vars: Vec<(String, Var)>, config: Self::Config) -> Result<Self>;
+    /// Writes the state of its variables to `path`.
+    fn save_state(&self, path: &Path) -> Result<()>;
+    /// Reads a state written by `save_state` onto the same names.
+    fn load_state(&mut self, path: &Path) -> Result<()>;
+    /// Bytes of optimizer state held.
+    fn state_bytes(&self) -> usize;
+    /// Steps taken.
+    fn steps_taken(&self) -> u64;
+}
+
+impl ShardableOptimizer for SmallFcLOpt {
+    fn new_named(vars: Vec<(String, Var)>, config: Self::Config) -> Result<Self> {
+        SmallFcLOpt::new_named(vars, config)
+    }
+    fn save_state(&self, path: &Path) -> Result<()> {
+        SmallFcLOpt::save_state(self, path)
+    }
+    fn load_state(&mut self, path: &Path) -> Result<()> {
+        SmallFcLOpt::load_state(self, path)
+    }
+    fn state_bytes(&self) -> usize {
+        SmallFcLOpt::state_bytes(self)
+    }
+    fn steps_taken(&self) -> u64 {
+        SmallFcLOpt::steps_taken(self)
+    }
+}
+
+impl ShardableOptimizer for AdamW {
+    fn new_named(vars: Vec<(String, Var)>, config: Self::Config) -> Result<Self> {
+        AdamW::new_named(vars, config)
+    }
+    fn save_state(&self, path: &Path) -> Result<()> {
+        AdamW::save_state(self, path)
+    }
+    fn load_state(&mut self, path: &Path) -> Result<()> {
+        AdamW::load_state(self, path)
+    }
+    fn state_bytes(&self) -> usize {
+        AdamW::state_bytes(self)
+    }
+    fn steps_taken(&self) -> u64 {
+        AdamW::steps_taken(self)
+    }
+}
+
+/// [`SmallFcLOpt`] sharded over a process group.
+pub type ShardedSmallFcLOpt<C> = Sharded<SmallFcLOpt, C>;
+/// [`AdamW`] sharded over a process group.
+pub type ShardedAdamW<C> = Sharded<AdamW, C>;
+
+/// An optimizer with its state sharded over the ranks of a process group (ZeRO stage 1).
 ///
 /// Whole tensors are assigned to ranks by a size-balanced partition ([`partition_by_size`] over
-/// the element counts, variables in name order): the optimizer's features need statistics over
-/// a whole tensor, so tensors are not split. Each rank keeps the state of its own tensors only
-/// (about `1 / world_size` of it) and a step
+/// the element counts, variables in name order): the learned optimizer's features need
+/// statistics over a whole tensor, so tensors are not split. Each rank keeps the state of its
+/// own tensors only (about `1 / world_size` of it) and a step
 /// 1. averages the gradients over the ranks ([`GradAllReduce`]),
-/// 2. steps the rank's own tensors with a local [`SmallFcLOpt`],
+/// 2. steps the rank's own tensors with a local optimizer,
 /// 3. broadcasts every tensor from its owner (one grouped call), so that every rank again holds
 ///    every parameter.
 ///
-/// With the same gradients the parameters equal those of an unsharded [`SmallFcLOpt`] (each
-/// tensor is stepped by the same code on the same data). [`ShardedSmallFcLOpt::save_state`]
-/// writes one file per rank; [`ShardedSmallFcLOpt::load_state`] reads them back on the same
-/// world size.
-pub struct ShardedSmallFcLOpt<C> {
-    local: SmallFcLOpt,
+/// With the same gradients the parameters equal those of the unsharded optimizer (each tensor
+/// is stepped by the same code on the same data). [`Sharded::save_state`] writes one file per
+/// rank; [`Sharded::load_state`] reads them back on the same world size.
+pub struct Sharded<O, C> {
+    local: O,
     owners: Vec<usize>,
     reducer: GradAllReduce,
     group: C,
 }
 
-impl<C: Collectives> ShardedSmallFcLOpt<C> {
+impl<O: ShardableOptimizer, C: Collectives> Sharded<O, C> {
     /// Shards the optimizer over `group`. `vars` are named (the names order the partition and
     /// key the saved state) and must be the same on every rank (checked).
     pub fn new(
-        vars: Vec<(String, Var)>, params: ParamsSmallFcLOpt, group: C, config: BucketConfig,
+        vars: Vec<(String, Var)>, params: O::Config, group: C, config: BucketConfig,
     ) -> Result<Self> {
         let reducer = GradAllReduce::new(vars, config, &group)?;
         let sizes: Vec<usize> = reducer.vars().iter().map(|(_, v)| v.elem_count()).collect();
@@ -43,7 +99,7 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
             .filter(|(_, owner)| **owner == group.rank())
             .map(|((name, var), _)| (name.clone(), var.clone()))
             .collect();
-        let local = SmallFcLOpt::new_named(owned, params)?;
+        let local = O::new_named(owned, params)?;
         Ok(Self {
             local,
             owners,
@@ -54,7 +110,7 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
 
     /// Every variable of `varmap`, by name.
     pub fn from_varmap(
-        varmap: &candle_nn::VarMap, params: ParamsSmallFcLOpt, group: C, config: BucketConfig,
+        varmap: &candle_nn::VarMap, params: O::Config, group: C, config: BucketConfig,
     ) -> Result<Self> {
         let vars = {
             let data = varmap.data().lock().map_err(|_| {
@@ -65,7 +121,7 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
         Self::new(vars, params, group, config)
     }
 
-    /// Backward of this rank's `loss`, then [`ShardedSmallFcLOpt::step`].
+    /// Backward of this rank's `loss`, then [`Sharded::step`].
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
         let mut grads = loss.backward()?;
         self.step(&mut grads)
@@ -100,7 +156,7 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
     }
 
     /// The optimizer over this rank's own variables.
-    pub fn local(&self) -> &SmallFcLOpt {
+    pub fn local(&self) -> &O {
         &self.local
     }
 
@@ -135,13 +191,13 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
     }
 
     /// Writes this rank's shard (its variables' state and the step counter) to
-    /// [`ShardedSmallFcLOpt::shard_path`]; every rank calls it.
+    /// [`Sharded::shard_path`]; every rank calls it.
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let shard = Self::shard_path(path, self.group.rank(), self.group.world_size());
-        self.local.save_state(shard)
+        self.local.save_state(&shard)
     }
 
-    /// Reads this rank's shard written by [`ShardedSmallFcLOpt::save_state`] with the same
+    /// Reads this rank's shard written by [`Sharded::save_state`] with the same
     /// world size; every rank calls it. A missing shard (another world size) or one holding
     /// other variables is an error and changes nothing.
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
@@ -154,6 +210,6 @@ impl<C: Collectives> ShardedSmallFcLOpt<C> {
                 shard.display()
             );
         }
-        self.local.load_state(shard)
+        self.local.load_state(&shard)
     }
 }

@@ -82,7 +82,7 @@ fn two_ranks_match_one_rank_with_the_whole_batch() {
 }
 
 #[test]
-fn sharded_small_fc_lopt_matches_the_unsharded_one() {
+fn sharded_optimizers_match_the_unsharded_ones() {
     for dev in devices() {
         for world in [1, 2, 3] {
             let dir = std::env::temp_dir().join(format!(
@@ -96,6 +96,7 @@ fn sharded_small_fc_lopt_matches_the_unsharded_one() {
                     check_sharded_small_fc_lopt(g, deterministic, &dir)
                 });
             }
+            on_ranks(world, &dev, |g| check_sharded_adamw(g, &dir));
             std::fs::remove_dir_all(&dir).ok();
         }
     }

@@ -7,9 +7,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_fastops::dist::{
-    BucketConfig, Collectives, DataParallel, GradAllReduce, ShardedSmallFcLOpt, WireDType,
+    BucketConfig, Collectives, DataParallel, GradAllReduce, ShardableOptimizer, Sharded, WireDType,
 };
-use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
+use candle_fastops::optim::{AdamW, MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
 use candle_nn::{Module, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 
@@ -351,21 +351,35 @@ pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
     } else {
         1e-6
     };
+    check_sharded::<SmallFcLOpt, C>(group, &|| lopt_params(&dev, deterministic), tol, dir)
+}
+
+/// [`check_sharded_small_fc_lopt`] for AdamW: elementwise, so bit-identical everywhere.
+pub fn check_sharded_adamw<C: Collectives + Clone>(group: C, dir: &std::path::Path) -> Result<()> {
+    let config = || {
+        Ok(ParamsAdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..Default::default()
+        })
+    };
+    check_sharded::<AdamW, C>(group, &config, 0.0, dir)
+}
+
+fn check_sharded<O: ShardableOptimizer, C: Collectives + Clone>(
+    group: C, config: &dyn Fn() -> Result<O::Config>, tol: f64, dir: &std::path::Path,
+) -> Result<()> {
+    let dev = group.device().clone();
     let (rank, world) = (group.rank(), group.world_size());
     // The unsharded reference on this rank, from the same initial values.
     let ref_vars = lopt_vars(&dev)?;
-    let mut reference =
-        SmallFcLOpt::new_named(ref_vars.clone(), lopt_params(&dev, deterministic)?)?;
+    let mut reference = O::new_named(ref_vars.clone(), config()?)?;
     let vars = lopt_vars(&dev)?;
     let mut given = vars.clone();
     let shift = rank % given.len();
     given.rotate_left(shift);
-    let mut sharded = ShardedSmallFcLOpt::new(
-        given,
-        lopt_params(&dev, deterministic)?,
-        group.clone(),
-        BucketConfig::default(),
-    )?;
+    let mut sharded =
+        Sharded::<O, C>::new(given, config()?, group.clone(), BucketConfig::default())?;
     let mut after_two = None;
     for step in 0..4 {
         reference.step(&lopt_grads(&ref_vars, step)?)?;
@@ -403,9 +417,9 @@ pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
     for ((_, var), values) in vars.iter().zip(after_two.unwrap()) {
         var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?.to_device(&dev)?)?;
     }
-    let mut resumed = ShardedSmallFcLOpt::new(
+    let mut resumed = Sharded::<O, C>::new(
         vars.clone(),
-        lopt_params(&dev, deterministic)?,
+        config()?,
         group.clone(),
         BucketConfig::default(),
     )?;
@@ -421,7 +435,7 @@ pub fn check_sharded_small_fc_lopt<C: Collectives + Clone>(
         &format!("rank {rank} resumed"),
     );
     // Another world size has no shard for this rank under that name.
-    let shard = ShardedSmallFcLOpt::<C>::shard_path(dir.join("lopt.safetensors"), rank, world);
+    let shard = Sharded::<O, C>::shard_path(dir.join("lopt.safetensors"), rank, world);
     assert!(shard.exists(), "{}", shard.display());
     let before = snapshot(&vars)?;
     let err = resumed
