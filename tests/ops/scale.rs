@@ -338,3 +338,55 @@ fn masked_attention_past_2_31() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn adamw_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    // One variable of more than 2^31 elements and a small one in the same launch.
+    let (rows, cols) = (32769, 65536);
+    assert!(rows * cols > BIG);
+    let big = Var::from_tensor(&uniform(&[rows, cols], &dev)?)?;
+    let small = Var::from_tensor(&uniform(&[3, 5], &dev)?)?;
+    let p = candle_nn::ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt = candle_fastops::optim::AdamW::new(vec![big.clone(), small.clone()], p.clone())?;
+    let before: Vec<Vec<f64>> = sampled(rows)
+        .into_iter()
+        .map(|r| row(&big, r))
+        .collect::<Result<_>>()?;
+    let mut grads_by_step = Vec::new();
+    for _ in 0..2 {
+        let g = uniform(&[rows, cols], &dev)?;
+        let mut store = candle_core::backprop::GradStore::default();
+        store.insert(big.as_tensor(), g.clone());
+        store.insert(small.as_tensor(), uniform(&[3, 5], &dev)?);
+        opt.step(&store)?;
+        grads_by_step.push(
+            sampled(rows)
+                .into_iter()
+                .map(|r| row(&g, r))
+                .collect::<Result<Vec<_>>>()?,
+        );
+    }
+    for (k, r) in sampled(rows).into_iter().enumerate() {
+        let mut theta = before[k].clone();
+        let (mut m, mut v) = (vec![0f64; cols], vec![0f64; cols]);
+        for (t, grads) in grads_by_step.iter().enumerate() {
+            let t = (t + 1) as f64;
+            let (sm, sv) = (1.0 / (1.0 - p.beta1.powf(t)), 1.0 / (1.0 - p.beta2.powf(t)));
+            for j in 0..cols {
+                let g = grads[k][j];
+                m[j] = p.beta1 * m[j] + (1.0 - p.beta1) * g;
+                v[j] = p.beta2 * v[j] + (1.0 - p.beta2) * g * g;
+                let upd = (m[j] * sm) / ((v[j] * sv).sqrt() + p.eps);
+                theta[j] = theta[j] * (1.0 - p.lr * p.weight_decay) - p.lr * upd;
+            }
+        }
+        assert_close(&row(&big, r)?, &theta, 1e-5, &format!("adamw row {r}"));
+    }
+    Ok(())
+}
