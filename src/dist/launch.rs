@@ -9,10 +9,15 @@ use std::time::Duration;
 /// rendezvous).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {
+    /// This process's rank, `0..world_size` (`RANK`).
     pub rank: usize,
+    /// The number of ranks (`WORLD_SIZE`).
     pub world_size: usize,
+    /// The GPU of this process on its host (`LOCAL_RANK`; `RANK` when unset).
     pub local_rank: usize,
+    /// Where rank 0 listens for the rendezvous (`MASTER_ADDR`; 127.0.0.1 when unset).
     pub master_addr: String,
+    /// Its port (`MASTER_PORT`; required for more than one rank).
     pub master_port: u16,
 }
 
