@@ -2,7 +2,7 @@
 //! and the learned optimizer's state sharded ZeRO-1 style.
 //!
 //! * [`Collectives`] is what a process group offers: all-reduce, all-gather and grouped
-//!   broadcasts of candle tensors. [`NcclGroup`] (feature `nccl`) runs them on GPUs through NCCL
+//!   broadcasts of candle tensors. `NcclGroup` (feature `nccl`) runs them on GPUs through NCCL
 //!   (cudarc's bindings, on candle's own CUDA stream, so they order with the model's kernels);
 //!   [`LocalGroup`] runs them between threads of one process (CPU or one GPU), for tests and for
 //!   trying the data-parallel code on any machine.
