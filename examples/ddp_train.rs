@@ -1,6 +1,6 @@
 //! Data-parallel training of the NNUE of `nnue_train` on several GPUs (NCCL, one process per
-//! GPU, started by `dist::launch`) or on several CPU threads (`LocalGroup`). Each rank draws its
-//! own positions (per-rank batch `--batch`), the gradients are averaged over the ranks in flat
+//! GPU, started by `dist::launch`) or on several CPU threads (`LocalGroup`). Each rank trains on
+//! its own shard of positions (`--dataset` batches of `--batch`, made before training), the gradients are averaged over the ranks in flat
 //! buckets, and AdamW (`DataParallel`) or the sharded learned optimizer (`ShardedSmallFcLOpt`,
 //! ZeRO-1) steps. Rank 0 prints the loss (averaged over the ranks) and the aggregate
 //! positions/s; `--gpus 1` is the single-GPU baseline at the same per-GPU batch.
@@ -25,7 +25,7 @@ use candle_fastops::dist::{
 };
 use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use nnue::{random_batch, Config, Nnue, Rng};
+use nnue::{Config, Dataset, Nnue, Rng};
 use std::time::Instant;
 
 #[derive(Debug, Clone)]
@@ -68,6 +68,7 @@ fn parse() -> Result<Args> {
             "--gpus" => args.gpus = value()?.parse()?,
             "--ranks" => args.ranks = value()?.parse()?,
             "--steps" => args.nnue.steps = value()?.parse()?,
+            "--dataset" => args.nnue.dataset_batches = value()?.parse()?,
             "--batch" => args.nnue.batch = value()?.parse()?,
             "--inputs" => args.nnue.num_inputs = value()?.parse()?,
             "--hidden" => args.nnue.hidden = value()?.parse()?,
@@ -85,7 +86,7 @@ fn parse() -> Result<Args> {
             "--allreduce-bench" => args.allreduce_bench_mib = Some(value()?.parse()?),
             "--zero-bench" => args.zero_bench = true,
             other => bail!(
-                "unknown argument {other} (try --gpus, --ranks, --steps, --batch, --inputs, \
+                "unknown argument {other} (try --gpus, --ranks, --steps, --dataset, --batch, --inputs, \
                  --hidden, --lr, --log-every, --optimizer adamw|fused-adamw|zero-adamw|lopt, \
                  --bucket-mib, --wire, \
                  --allreduce-bench MIB, --zero-bench)"
@@ -250,13 +251,14 @@ fn run<C: Collectives + Clone>(group: C, args: &Args) -> Result<()> {
             args.optimizer
         );
     }
+    // Each rank its own shard of the data, made once before training.
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((rank as u64 + 1) << 40));
+    let data = Dataset::generate(cfg, &teacher, &mut rng, &dev, cfg.dataset_batches)?;
     let mut window = (Instant::now(), 0usize);
     let mut timed = (None::<Instant>, 0usize);
     for step in 1..=cfg.steps {
-        let batch = random_batch(cfg, &mut rng, &dev)?;
-        let target = teacher.forward(&batch)?.detach();
-        let loss = (student.forward(&batch)? - target)?.sqr()?.mean_all()?;
+        let (batch, target) = data.get(step - 1);
+        let loss = (student.forward(batch)? - target)?.sqr()?.mean_all()?;
         match &mut opt {
             Opt::AdamW(ddp) => ddp.backward_step(&loss)?,
             Opt::Fused(ddp) => ddp.backward_step(&loss)?,

@@ -98,5 +98,6 @@ pub use softmax::{log_softmax_dims, softmax_dims, ReduceDims};
 pub use sparse_linear::sparse_linear_backward;
 pub use sparse_linear::{
     check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_pair_with,
-    sparse_linear_with, FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
+    sparse_linear_with, FeatureTransformer, IndexCheck, SparseActivation, SparseFeatures,
+    SparseLinearOptions,
 };

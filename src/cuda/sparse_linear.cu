@@ -12,6 +12,10 @@
 // keeps two groups from competing for the cache). Each step of the feature loop issues UNROLL
 // row loads before using any, since the gather is bound by L2 latency, not arithmetic.
 //
+// Activation: with `clamped` set the forward stores clamp(x, 0, ceiling) (a NaN stays NaN) and
+// the backward passes the output gradient only where the stored output lies strictly inside
+// (0, ceiling), reading the forward's output beside the gradient (the NNUE clipped ReLU, fused).
+//
 // Indices: a row's features end at its first -1; anything after it is ignored. An index < -1
 // or >= num_inputs is never dereferenced: it contributes nothing and raises the call's error
 // flag (a device word the host reads after the forward kernels; null in unchecked calls).
@@ -37,8 +41,10 @@ struct SparseShape {
     uint64_t stripe_end;
     uint32_t max_active;
     uint32_t perspectives;  // 1 or 2
+    float ceiling;          // the clipped ReLU's upper bound (used when clamped != 0)
+    uint32_t clamped;       // nonzero: the output is clamp(x, 0, ceiling)
 };
-static_assert(sizeof(SparseShape) == 72, "SparseShape is mirrored by a Rust #[repr(C)] struct of 72 bytes");
+static_assert(sizeof(SparseShape) == 80, "SparseShape is mirrored by a Rust #[repr(C)] struct of 80 bytes");
 
 // The shape plus the feature tensors, as the kernels receive them.
 struct SparseBatch {
@@ -48,12 +54,15 @@ struct SparseBatch {
     uint32_t* error_flag;
     uint64_t batch, num_inputs, out_dim, index_stride, weight_stride, stripe_begin, stripe_end;
     uint32_t max_active, perspectives;
+    float ceiling;
+    bool clamped;
     __device__ __forceinline__ SparseBatch(const SparseShape& sh, const int32_t* idx0, const int32_t* idx1,
                                            const float* val0, const float* val1, const uint8_t* side)
         : indices{idx0, idx1}, values{val0, val1}, side_first(side), error_flag(sh.error_flag), batch(sh.batch),
           num_inputs(sh.num_inputs), out_dim(sh.out_dim), index_stride(sh.index_stride),
           weight_stride(sh.weight_stride), stripe_begin(sh.stripe_begin), stripe_end(sh.stripe_end),
-                    max_active(sh.max_active), perspectives(sh.perspectives) {}
+          max_active(sh.max_active), perspectives(sh.perspectives), ceiling(sh.ceiling),
+          clamped(sh.clamped != 0) {}
 };
 
 // The (position, perspective) of task t and the half of the output row it fills.
@@ -178,6 +187,17 @@ template <typename T> struct Group<T, false> {
     static __device__ __forceinline__ void store(T* p, const float (&f)[1]) { __stcs(p, from_float<T>(f[0])); }
 };
 
+// clamp(x, 0, ceiling), a NaN passing through (both comparisons fail).
+__device__ __forceinline__ float clipped_relu(float x, float ceiling) {
+    return x < 0.0f ? 0.0f : (x > ceiling ? ceiling : x);
+}
+
+// The output gradient behind the clipped ReLU: g where 0 < y < ceiling (y the stored output,
+// `ceiling` rounded to its dtype), else 0.
+__device__ __forceinline__ float through_clipped_relu(float g, float y, float ceiling) {
+    return (y > 0.0f && y < ceiling) ? g : 0.0f;
+}
+
 template <typename T, bool VEC, int LOADS, int UNROLL>
 __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __restrict__ weight,
                                                const T* __restrict__ bias, T* __restrict__ out) {
@@ -228,6 +248,12 @@ __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __
                 if (chunk.last) break;
             }
 
+            if (s.clamped) {
+#pragma unroll
+                for (int l = 0; l < LOADS; ++l)
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[l][e] = clipped_relu(acc[l][e], s.ceiling);
+            }
             T* dst = out + walk.row(task);
 #pragma unroll
             for (int l = 0; l < LOADS; ++l)
@@ -273,9 +299,10 @@ template <typename T> struct GradGroup<T, false> {
 // skipping groups whose output gradient is all zero (common behind a clamp). The bias gradient
 // is summed in registers per warp, then across the block, and added with one atomic per column
 // per block, not per position.
+// `act_out` (the forward's output, same layout as grad_out) is read only when s.clamped.
 template <typename T, bool VEC, int LOADS>
 __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* __restrict__ grad_out,
-                                                float* __restrict__ grad) {
+                                                const T* __restrict__ act_out, float* __restrict__ grad) {
     using G = GradGroup<T, VEC>;
     constexpr int E = G::E;
     using Walk = StripeWalk<LOADS, E>;
@@ -286,6 +313,7 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
     const int warp_in_block = threadIdx.x >> 5;
     const uint64_t n_out = walk.n_out;
     float* bias_grad = grad + s.num_inputs * n_out;
+    const float ceiling = to_float(from_float<T>(s.ceiling));
 
     for (uint64_t stripe = s.stripe_begin; stripe < walk.stripes; ++stripe) {
         uint64_t col[LOADS];
@@ -294,13 +322,19 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
         float bias_sum[LOADS][E] = {};
         for (uint64_t t = walk.warp; t < walk.tasks; t += walk.warps) {
             const Task task(s, t);
-            const T* src = grad_out + walk.row(task);
+            const uint64_t row_at = walk.row(task);
             float g[LOADS][E];
             bool nonzero[LOADS];
 #pragma unroll
             for (int l = 0; l < LOADS; ++l) {
                 if (in_range[l]) {
-                    G::load(src + col[l], g[l]);
+                    G::load(grad_out + row_at + col[l], g[l]);
+                    if (s.clamped) {
+                        float y[E];
+                        G::load(act_out + row_at + col[l], y);
+#pragma unroll
+                        for (int e = 0; e < E; ++e) g[l][e] = through_clipped_relu(g[l][e], y[e], ceiling);
+                    }
                 } else {
 #pragma unroll
                     for (int e = 0; e < E; ++e) g[l][e] = 0.0f;
@@ -355,14 +389,26 @@ constexpr uint32_t NO_SCRATCH = 0xffffffffu;
 template <typename T, bool VEC>
 __device__ __forceinline__ void gather_pieces(const uint32_t* __restrict__ pieces, uint64_t num_pieces,
                                               const uint32_t* __restrict__ rows, const float* __restrict__ values,
-                                              const T* __restrict__ grad_out, uint64_t out_dim,
-                                              float* __restrict__ grad, float* __restrict__ scratch) {
+                                              const T* __restrict__ grad_out, const T* __restrict__ act_out,
+                                              float ceiling_in, uint64_t out_dim, float* __restrict__ grad,
+                                              float* __restrict__ scratch) {
     using G = GradGroup<T, VEC>;
     constexpr int E = G::E;
     constexpr int UNROLL = 4;
     const int lane = threadIdx.x & 31;
     const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    const float ceiling = to_float(from_float<T>(ceiling_in));
+    // One output-gradient group, behind the clipped ReLU when act_out is set.
+    const auto load = [&](uint64_t at, float (&g)[E]) {
+        G::load(grad_out + at, g);
+        if (act_out != nullptr) {
+            float y[E];
+            G::load(act_out + at, y);
+#pragma unroll
+            for (int e = 0; e < E; ++e) g[e] = through_clipped_relu(g[e], y[e], ceiling);
+        }
+    };
     for (uint64_t piece = warp; piece < num_pieces; piece += warps) {
         const uint32_t key = pieces[4 * piece], begin = pieces[4 * piece + 1], end = pieces[4 * piece + 2];
         const uint32_t slot = pieces[4 * piece + 3];
@@ -376,7 +422,7 @@ __device__ __forceinline__ void gather_pieces(const uint32_t* __restrict__ piece
             for (; i + UNROLL <= end; i += UNROLL) {
                 float g[UNROLL][E];
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) G::load(grad_out + static_cast<uint64_t>(rows[i + u]) * out_dim + col, g[u]);
+                for (int u = 0; u < UNROLL; ++u) load(static_cast<uint64_t>(rows[i + u]) * out_dim + col, g[u]);
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -384,7 +430,7 @@ __device__ __forceinline__ void gather_pieces(const uint32_t* __restrict__ piece
             }
             for (; i < end; ++i) {
                 float g[E];
-                G::load(grad_out + static_cast<uint64_t>(rows[i]) * out_dim + col, g);
+                load(static_cast<uint64_t>(rows[i]) * out_dim + col, g);
 #pragma unroll
                 for (int e = 0; e < E; ++e) acc[e] = fmaf(values[i], g[e], acc[e]);
             }
@@ -423,14 +469,16 @@ __device__ __forceinline__ void combine_pieces(const uint32_t* __restrict__ grou
     }
 #define SPARSE_BACKWARD(T, SUFFIX, NAME, VEC, LOADS)                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
-        NAME##_##SUFFIX(SPARSE_FEATURE_ARGS, const T* grad_out, float* grad) {                                \
-        sparse_backward<T, VEC, LOADS>(SPARSE_BATCH, grad_out, grad);                                         \
+        NAME##_##SUFFIX(SPARSE_FEATURE_ARGS, const T* grad_out, const T* act_out, float* grad) {              \
+        sparse_backward<T, VEC, LOADS>(SPARSE_BATCH, grad_out, act_out, grad);                                \
     }
 #define SPARSE_GATHER(T, SUFFIX, NAME, VEC)                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
         NAME##_##SUFFIX(const uint32_t* pieces, uint64_t num_pieces, const uint32_t* rows, const float* values, \
-                        const T* grad_out, uint64_t out_dim, float* grad, float* scratch) {                    \
-        gather_pieces<T, VEC>(pieces, num_pieces, rows, values, grad_out, out_dim, grad, scratch);            \
+                        const T* grad_out, const T* act_out, float ceiling, uint64_t out_dim, float* grad,     \
+                        float* scratch) {                                                                      \
+        gather_pieces<T, VEC>(pieces, num_pieces, rows, values, grad_out, act_out, ceiling, out_dim, grad,    \
+                              scratch);                                                                        \
     }
 #define SPARSE_KERNELS(T, SUFFIX)                                        \
     SPARSE_GATHER(T, SUFFIX, sparse_linear_bwd_sorted_vec, true)         \

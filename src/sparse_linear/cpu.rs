@@ -84,6 +84,7 @@ pub(super) fn forward<T: CpuFloat>(
     if len == 0 {
         return Vec::new();
     }
+    let ceiling: Option<T::Acc> = f.clip_ceiling.map(acc_of);
     let write_all = |out: &mut [std::mem::MaybeUninit<_>]| {
         out.par_chunks_mut(row_len)
             .with_min_len(16)
@@ -103,8 +104,14 @@ pub(super) fn forward<T: CpuFloat>(
                             }
                         }
                         let half = sides.half(b, p);
-                        for (d, &a) in dst[half * n_out..][..n_out].iter_mut().zip(acc.iter()) {
-                            d.write(T::from_acc(a));
+                        let dst = dst[half * n_out..][..n_out].iter_mut();
+                        match ceiling {
+                            None => dst.zip(acc.iter()).for_each(|(d, &a)| {
+                                d.write(T::from_acc(a));
+                            }),
+                            Some(c) => dst.zip(acc.iter()).for_each(|(d, &a)| {
+                                d.write(T::from_acc(clipped_relu(a, c)));
+                            }),
                         }
                     }
                 },
@@ -112,6 +119,36 @@ pub(super) fn forward<T: CpuFloat>(
     };
     // SAFETY: every row of `len` elements is written (both halves of each row).
     unsafe { crate::cpu::written_output(len, write_all) }
+}
+
+/// `clamp(x, 0, ceiling)`, a NaN passing through.
+fn clipped_relu<A: num_traits::Float>(x: A, ceiling: A) -> A {
+    if x < A::zero() {
+        A::zero()
+    } else if x > ceiling {
+        ceiling
+    } else {
+        x
+    }
+}
+
+/// The output gradient behind the fused clipped ReLU: `grad` where `0 < output < ceiling` (the
+/// ceiling rounded to `T`, as the output was), zero elsewhere.
+pub(super) fn through_clipped_relu<T: CpuFloat>(grad: &[T], output: &[T], ceiling: f32) -> Vec<T> {
+    let ceiling = T::from_acc(acc_of(ceiling)).to_acc();
+    let zero = T::Acc::zero();
+    grad.par_iter()
+        .zip(output.par_iter())
+        .with_min_len(4096)
+        .map(|(&g, &y)| {
+            let y = y.to_acc();
+            if y > zero && y < ceiling {
+                g
+            } else {
+                T::from_acc(zero)
+            }
+        })
+        .collect()
 }
 
 /// A feature value in the accumulator type (f32 or f64: never fails).

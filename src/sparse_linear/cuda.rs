@@ -20,9 +20,11 @@ struct SparseShape {
     stripe_end: u64,
     max_active: u32,
     perspectives: u32,
+    ceiling: f32,
+    clamped: u32,
 }
 // Mirrored by `SparseShape` in src/cuda/sparse_linear.cu.
-mirrored_struct!(SparseShape, 72, kernel_arg);
+mirrored_struct!(SparseShape, 80, kernel_arg);
 
 /// Kernel name stems of the forward and backward.
 const FWD: &str = "sparse_linear_fwd";
@@ -196,6 +198,8 @@ fn shape(
         max_active: u32::try_from(f.max_active)
             .map_err(|_| candle_core::Error::Msg(format!("{OP}: max_active too large")))?,
         perspectives: f.sides.len() as u32,
+        ceiling: f.clip_ceiling.unwrap_or(0.0),
+        clamped: u32::from(f.clip_ceiling.is_some()),
     })
 }
 
@@ -292,19 +296,32 @@ fn bad_index_error(f: &Features) -> candle_core::Error {
     ))
 }
 
+/// The backward's view of the forward output behind a fused clipped ReLU (`None`: no
+/// activation), with its element offset in its buffer.
+pub(super) type ActivationOutput<'a, T> = Option<(CudaView<'a, T>, usize)>;
+
 pub(super) fn backward<T: WithDType + DeviceRepr>(
     dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
-    grad: &CudaSlice<f32>,
+    act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>,
 ) -> Result<()> {
-    let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+    let act_start = act_out.as_ref().map_or(0, |(_, start)| *start);
+    let vec =
+        f.out.is_multiple_of(4) && grad_start.is_multiple_of(4) && act_start.is_multiple_of(4);
     let plan = StripePlan::new(dev, f, (vec, 4, 4), 1, 4)?;
+    let null = 0u64;
     // SAFETY: the arguments match `sparse_linear_bwd_*(shape, idx0, idx1, val0, val1,
-    // side_first, grad_out, grad)`; grad_out holds batch x perspectives x out elements and grad
-    // (num_inputs + 1) x out, written only at rows checked against num_inputs.
+    // side_first, grad_out, act_out, grad)`; grad_out (and act_out, read only when the shape
+    // says clamped) hold batch x perspectives x out elements and grad (num_inputs + 1) x out,
+    // written only at rows checked against num_inputs.
     unsafe {
-        launch_striped!(T, dev, f, &plan, BWD, f.out, |args| args
-            .arg(grad_out)
-            .arg(grad))
+        launch_striped!(T, dev, f, &plan, BWD, f.out, |args| {
+            args.arg(grad_out);
+            match act_out {
+                Some((view, _)) => args.arg(view),
+                None => args.arg(&null),
+            };
+            args.arg(grad)
+        })
     }
 }
 
@@ -429,7 +446,7 @@ fn sort_entries(dev: &CudaDevice, f: &Features, views: &FeatureViews) -> Result<
 /// The deterministic form of [`backward`] (see [`crate::set_deterministic`]).
 pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
     dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
-    grad: &CudaSlice<f32>,
+    act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>,
 ) -> Result<()> {
     if f.batch * f.sides.len() == 0 || f.out == 0 {
         return Ok(());
@@ -451,28 +468,32 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
         (sorted.groups.len() / 3) as u64,
     );
     let out_dim = f.out as u64;
-    let vec = f.out.is_multiple_of(4) && grad_start.is_multiple_of(4);
+    let act_start = act_out.as_ref().map_or(0, |(_, start)| *start);
+    let vec =
+        f.out.is_multiple_of(4) && grad_start.is_multiple_of(4) && act_start.is_multiple_of(4);
     let variant = if vec { "vec" } else { "scalar" };
+    let ceiling = f.clip_ceiling.unwrap_or(0.0);
+    let null = 0u64;
     let gather = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, "sorted", variant])?;
     let cfg = grid_stride_config(dev, num_pieces * 32, THREADS, 8, 0)?;
     // SAFETY: the arguments match `sparse_linear_bwd_sorted_*(pieces, num_pieces, rows,
-    // values, grad_out, out_dim, grad, scratch)`; every piece's [begin, end) lies in rows and
-    // values, rows index grad_out's batch x perspectives rows, keys are at most num_inputs
-    // (grad has num_inputs + 1 rows) and scratch rows are below scratch_rows.
+    // values, grad_out, act_out, ceiling, out_dim, grad, scratch)`; every piece's [begin, end)
+    // lies in rows and values, rows index grad_out's (and act_out's, when not null) batch x
+    // perspectives rows, keys are at most num_inputs (grad has num_inputs + 1 rows) and
+    // scratch rows are below scratch_rows.
     unsafe {
-        gather.launch(
-            cfg,
-            kernel_args!(
-                &pieces,
-                &num_pieces,
-                &rows,
-                &values,
-                grad_out,
-                &out_dim,
-                grad,
-                &scratch
-            ),
-        )?;
+        gather.launch(cfg, |args| {
+            args.arg(&pieces)
+                .arg(&num_pieces)
+                .arg(&rows)
+                .arg(&values)
+                .arg(grad_out);
+            match act_out {
+                Some((view, _)) => args.arg(view),
+                None => args.arg(&null),
+            };
+            args.arg(&ceiling).arg(&out_dim).arg(grad).arg(&scratch);
+        })?;
     }
     if num_groups > 0 {
         let combine = Kernel::load(dev, Module::SparseLinear, &[BWD, "combine"])?;

@@ -117,9 +117,25 @@ pub enum IndexCheck {
     Unchecked,
 }
 
+/// An activation applied to the layer's output inside the op, with its gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum SparseActivation {
+    /// The plain affine output (the default).
+    #[default]
+    Identity,
+    /// NNUE's clipped ReLU, `clamp(y, 0, ceiling)` (a NaN stays NaN). Its gradient passes the
+    /// output gradient where the stored output lies strictly between 0 and `ceiling` (the
+    /// ceiling rounded to the output dtype) and is zero elsewhere, as for `relu` at 0. Fused,
+    /// it costs no pass over the `[batch, out]` activations in either direction: the forward
+    /// clamps before its store and the backward reads the output beside its gradient, where
+    /// `y.clamp(0, ceiling)` on candle ops takes two passes forward and about a dozen backward.
+    /// `ceiling` must be finite and positive.
+    ClippedRelu { ceiling: f32 },
+}
+
 /// Per-call options of [`sparse_linear_with`] / [`sparse_linear_pair_with`] and
 /// [`FeatureTransformer::with_options`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SparseLinearOptions {
     /// Index checking on CUDA (default [`IndexCheck::AtCall`]).
     pub index_check: IndexCheck,
@@ -127,6 +143,8 @@ pub struct SparseLinearOptions {
     /// the host, one synchronisation per backward, no atomics). `None` (default) follows
     /// [`crate::set_deterministic`]. The CPU is always deterministic.
     pub deterministic: Option<bool>,
+    /// An activation fused into the output (default [`SparseActivation::Identity`]).
+    pub activation: SparseActivation,
 }
 
 /// Both perspectives of an NNUE position in one launch: `[batch, 2 * out]` whose row `b` is
@@ -199,12 +217,13 @@ pub fn sparse_linear_backward(
     let bias_like = Tensor::zeros(1, grad_out.dtype(), grad_out.device())?.broadcast_as(out)?;
     let options = SparseLinearOptions {
         index_check: IndexCheck::Unchecked,
-        deterministic: None,
+        ..Default::default()
     };
     let features = SparseFeatures { indices, values };
     let batch = Features::new(&[features], None, &shape_only, &bias_like, &options)?;
     let grads = grad_out.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
         batch: Arc::new(batch),
+        activation_output: None,
     })?;
     Ok((grads.narrow(0, 0, num_inputs)?, grads.get(num_inputs)?))
 }
@@ -320,6 +339,8 @@ struct Features {
     /// CUDA: the backward sums in a fixed order (resolved from the options at the call).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     deterministic: bool,
+    /// The fused clipped ReLU's ceiling (`None`: no activation).
+    clip_ceiling: Option<f32>,
 }
 
 #[derive(Debug)]
@@ -372,6 +393,15 @@ impl Features {
             );
         }
         crate::dispatch::check_float_operands(OP, ("weight", weight), &[("bias", bias)], &[])?;
+        let clip_ceiling = match options.activation {
+            SparseActivation::Identity => None,
+            SparseActivation::ClippedRelu { ceiling } => {
+                if !(ceiling.is_finite() && ceiling > 0.0) {
+                    bail!("{OP}: the clipped ReLU's ceiling must be finite and positive, got {ceiling}");
+                }
+                Some(ceiling)
+            }
+        };
         let names = [("white", "white_values"), ("black", "black_values")];
         let names = if sides.len() == 1 {
             &[("indices", "values")][..]
@@ -437,6 +467,7 @@ impl Features {
             out,
             check_indices: options.index_check == IndexCheck::AtCall,
             deterministic: options.deterministic.unwrap_or_else(crate::deterministic),
+            clip_ceiling,
         })
     }
 
@@ -544,12 +575,13 @@ impl CustomOp2 for SparseLinear {
     }
 
     fn bwd(
-        &self, weight: &Tensor, _bias: &Tensor, _res: &Tensor, grad_res: &Tensor,
+        &self, weight: &Tensor, _bias: &Tensor, res: &Tensor, grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let f = &self.batch;
         // One buffer for both gradients: rows 0..num_inputs the weight's, the last row the bias's.
         let grads = grad_res.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
             batch: self.batch.clone(),
+            activation_output: f.clip_ceiling.map(|_| res.contiguous()).transpose()?,
         })?;
         let grad_weight = grads.narrow(0, 0, f.num_inputs)?.to_dtype(weight.dtype())?;
         let grad_bias = grads.get(f.num_inputs)?.to_dtype(weight.dtype())?;
@@ -562,6 +594,8 @@ impl CustomOp2 for SparseLinear {
 /// row, the bias gradient.
 struct SparseLinearGrad {
     batch: Arc<Features>,
+    /// The forward's output (contiguous, the gradient's shape) when a clipped ReLU is fused.
+    activation_output: Option<Tensor>,
 }
 
 impl CustomOp1 for SparseLinearGrad {
@@ -575,9 +609,20 @@ impl CustomOp1 for SparseLinearGrad {
         let sides = locks.sides()?;
         let start = layout.start_offset();
         let len = layout.shape().elem_count();
+        let act_lock = self
+            .activation_output
+            .as_ref()
+            .map(|t| t.storage_and_layout());
         let out = with_float_cpu!(OP, grad, |grad| {
             let grad = &grad[start..start + len];
-            WithDType::to_cpu_storage_owned(cpu::backward(f, &sides, grad))
+            let grad = match (&act_lock, f.clip_ceiling) {
+                (Some(lock), Some(ceiling)) => {
+                    let output = crate::cpu::locked_slice(lock, OP)?;
+                    std::borrow::Cow::Owned(cpu::through_clipped_relu(grad, output, ceiling))
+                }
+                _ => std::borrow::Cow::Borrowed(grad),
+            };
+            WithDType::to_cpu_storage_owned(cpu::backward(f, &sides, &grad))
         });
         Ok((out, Shape::from((f.num_inputs + 1, f.out))))
     }
@@ -591,12 +636,26 @@ impl CustomOp1 for SparseLinearGrad {
         let start = layout.start_offset();
         let len = layout.shape().elem_count();
         let out = dev.alloc_zeros::<f32>((f.num_inputs + 1) * f.out)?;
+        let act_lock = self
+            .activation_output
+            .as_ref()
+            .map(|t| t.storage_and_layout());
         crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
             let g = g.slice(start..start + len);
+            let act_out = match &act_lock {
+                None => None,
+                Some((storage, layout)) => match &**storage {
+                    candle_core::Storage::Cuda(s) => {
+                        let at = layout.start_offset();
+                        Some((s.as_cuda_slice()?.slice(at..at + len), at))
+                    }
+                    _ => bail!("{OP}: internal error, the activation output is not on the GPU"),
+                },
+            };
             if f.deterministic {
-                cuda::backward_sorted(dev, f, &g, start, &out)?
+                cuda::backward_sorted(dev, f, &g, start, &act_out, &out)?
             } else {
-                cuda::backward(dev, f, &g, start, &out)?
+                cuda::backward(dev, f, &g, start, &act_out, &out)?
             }
         });
         Ok((

@@ -2,7 +2,8 @@ use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
     check_sparse_indices, sparse_linear, sparse_linear_pair, sparse_linear_pair_with,
-    sparse_linear_with, FeatureTransformer, IndexCheck, SparseFeatures, SparseLinearOptions,
+    sparse_linear_with, FeatureTransformer, IndexCheck, SparseActivation, SparseFeatures,
+    SparseLinearOptions,
 };
 use candle_nn::Optimizer;
 use rand::Rng;
@@ -531,6 +532,7 @@ fn bad_inputs_are_clear_errors() {
 const DETERMINISTIC: SparseLinearOptions = SparseLinearOptions {
     index_check: IndexCheck::AtCall,
     deterministic: Some(true),
+    activation: SparseActivation::Identity,
 };
 
 /// Weight and bias gradients of sum(y * r) (deterministic backward) as flat vectors.
@@ -583,6 +585,114 @@ fn deterministic_backward_is_correct_and_repeatable() {
             assert!(
                 first == again,
                 "deterministic backward changed between runs"
+            );
+        }
+        Ok(())
+    });
+}
+
+/// The fused clipped ReLU: forward = clamp(reference, 0, ceiling); gradients of sum(y * r) =
+/// those of the plain layer with r zeroed where the stored output is not strictly inside
+/// (0, ceiling). Single and pair forms, atomic and deterministic backward, every dtype, a
+/// ceiling exact in every dtype (1) and one that is not (0.3).
+#[test]
+fn clipped_relu_is_fused_forward_and_backward() {
+    for_each_device(|dev| {
+        let (n, num_inputs) = (41, 59);
+        let mut salt = 9000;
+        for dtype in float_dtypes(dev) {
+            for &out in &[7usize, 256, 1031] {
+                for (pair, ceiling, deterministic) in [
+                    (false, 1.0f32, None),
+                    (true, 0.3, None),
+                    (true, 1.0, Some(true)),
+                ] {
+                    salt += 10;
+                    let options = SparseLinearOptions {
+                        deterministic,
+                        activation: SparseActivation::ClippedRelu { ceiling },
+                        ..Default::default()
+                    };
+                    let white = Batch::random(n, 32, num_inputs, salt);
+                    let black = Batch::random(n, 32, num_inputs, salt + 1);
+                    let stm: Vec<u8> = (0..n).map(|b| (b % 3 != 1) as u8).collect();
+                    let weight = Var::from_tensor(&rand_tensor(
+                        &[num_inputs, out],
+                        0.5,
+                        dtype,
+                        dev,
+                        salt + 2,
+                    )?)?;
+                    let bias = Var::from_tensor(&rand_tensor(&[out], 0.5, dtype, dev, salt + 3)?)?;
+                    let (wi, bi) = (white.indices(dev)?, black.indices(dev)?);
+                    let (ys, plain) = if pair {
+                        let stm = Tensor::from_vec(stm.clone(), n, dev)?;
+                        let call = |o: &SparseLinearOptions| {
+                            sparse_linear_pair_with(&wi, &bi, &stm, &weight, &bias, o)
+                        };
+                        (call(&options)?, call(&Default::default())?)
+                    } else {
+                        let call = |o: &SparseLinearOptions| {
+                            sparse_linear_with(SparseFeatures::new(&wi), &weight, &bias, o)
+                        };
+                        (call(&options)?, call(&Default::default())?)
+                    };
+                    let what = format!("{dtype:?} out {out} pair {pair} ceiling {ceiling}");
+                    // Forward: the plain layer's output clamped (in f64), to the dtype's rounding.
+                    let rounded_ceiling =
+                        to_f64(&Tensor::new(&[ceiling], dev)?.to_dtype(dtype)?)?[0];
+                    let clamped: Vec<f64> = to_f64(&plain)?
+                        .iter()
+                        .map(|&x| x.clamp(0.0, rounded_ceiling))
+                        .collect();
+                    let y = to_f64(&ys)?;
+                    assert_close(&y, &clamped, tol(dtype), &format!("forward {what}"));
+                    let (below, above) = (
+                        y.iter().filter(|&&v| v == 0.0).count(),
+                        y.iter().filter(|&&v| v == rounded_ceiling).count(),
+                    );
+                    assert!(
+                        below > y.len() / 10 && above > y.len() / 20,
+                        "{what}: the inputs must reach both bounds ({below} at 0, {above} at the ceiling of {})",
+                        y.len()
+                    );
+                    // Backward: against the plain layer's gradients with r masked by hand.
+                    let r = rand_tensor(ys.dims(), 1.0, dtype, dev, salt + 4)?;
+                    let inside: Vec<f64> = y
+                        .iter()
+                        .map(|&v| f64::from(u8::from(v > 0.0 && v < rounded_ceiling)))
+                        .collect();
+                    let mask = Tensor::from_vec(inside, ys.dims(), dev)?.to_dtype(dtype)?;
+                    let fused = (ys * &r)?.sum_all()?.backward()?;
+                    let by_hand = (plain * (r * mask)?)?.sum_all()?.backward()?;
+                    let t = match dtype {
+                        DType::F64 => 1e-10,
+                        DType::F32 => 1e-4,
+                        other => tolerance(other) * 2.0,
+                    };
+                    for (var, name) in [(&weight, "weight"), (&bias, "bias")] {
+                        let got = to_f64(fused.get(var).expect("fused gradient"))?;
+                        let want = to_f64(by_hand.get(var).expect("reference gradient"))?;
+                        assert_close(&got, &want, t, &format!("{name} grad {what}"));
+                    }
+                }
+            }
+        }
+        // A ceiling that is not finite and positive is refused at the call.
+        let weight = rand_tensor(&[8, 4], 1.0, DType::F32, dev, 1)?;
+        let bias = rand_tensor(&[4], 1.0, DType::F32, dev, 2)?;
+        let idx = Tensor::new(&[[0i32, 3, -1]], dev)?;
+        for ceiling in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
+            let options = SparseLinearOptions {
+                activation: SparseActivation::ClippedRelu { ceiling },
+                ..Default::default()
+            };
+            let err = sparse_linear_with(SparseFeatures::new(&idx), &weight, &bias, &options)
+                .expect_err("a bad ceiling must be an error")
+                .to_string();
+            assert!(
+                err.contains("ceiling"),
+                "unclear error for ceiling {ceiling}: {err}"
             );
         }
         Ok(())
