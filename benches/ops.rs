@@ -529,6 +529,36 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
                 )?;
             }
             if dtype == DType::F32 && headline {
+                // A training step's worth of the NNUE input layer: forward_pair, the clamp to
+                // [0, 1], backward (weighted sum as the loss). Fused: the clamp inside the op;
+                // baseline: the same op unclamped, then candle's clamp and its autograd.
+                let (wvar, bvar) = (
+                    candle_core::Var::from_tensor(&weight)?,
+                    candle_core::Var::from_tensor(&bias)?,
+                );
+                let r = randn(&[batch, 2 * out], dtype, &dev)?;
+                let fused = candle_fastops::SparseLinearOptions {
+                    activation: candle_fastops::SparseActivation::ClippedRelu { ceiling: 1.0 },
+                    ..unchecked
+                };
+                let step = |options: &candle_fastops::SparseLinearOptions, clamp: bool| {
+                    let y = candle_fastops::sparse_linear_pair_with(
+                        &idx, &black, &stm, &wvar, &bvar, options,
+                    )?;
+                    let y = if clamp { y.clamp(0f32, 1f32)? } else { y };
+                    (y * &r)?.sum_all()?.backward().map(drop)
+                };
+                b.compare(
+                    OP,
+                    &format!("{case} forward_pair + clipped ReLU + backward, fused"),
+                    dtype,
+                    Work::Bytes(2.0 * gathered),
+                    || step(&fused, false),
+                    "the same, candle's clamp",
+                    || step(&unchecked, true),
+                )?;
+            }
+            if dtype == DType::F32 && headline {
                 let grad = randn(&[batch, out], dtype, &dev)?;
                 // The weight gradient: one atomic add per active row slice element, plus the
                 // zeroed buffer and the output gradient read once.
