@@ -167,6 +167,9 @@ impl Rng {
     }
 }
 
+/// One optimizer step over a gradient store (either AdamW).
+type StepFn = dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>;
+
 /// Per-phase wall time of the profiled steps (device synchronised at each phase's end).
 #[derive(Default)]
 struct Phases {
@@ -247,14 +250,13 @@ pub fn train(cfg: &Config, dev: &Device) -> Result<Report> {
         weight_decay: 0.0,
         ..Default::default()
     };
-    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> =
-        if cfg.fused_adamw {
-            let mut opt = candle_fastops::optim::AdamW::from_varmap(&varmap, params)?;
-            Box::new(move |g| opt.step(g))
-        } else {
-            let mut opt = AdamW::new(varmap.all_vars(), params)?;
-            Box::new(move |g| opt.step(g))
-        };
+    let mut opt: Box<StepFn> = if cfg.fused_adamw {
+        let mut opt = candle_fastops::optim::AdamW::from_varmap(&varmap, params)?;
+        Box::new(move |g| opt.step(g))
+    } else {
+        let mut opt = AdamW::new(varmap.all_vars(), params)?;
+        Box::new(move |g| opt.step(g))
+    };
 
     let held_out = random_batch(cfg, &mut Rng(0x2545_F491_4F6C_DD1D), dev)?;
     let held_out_target = teacher.forward(&held_out)?;
