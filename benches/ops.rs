@@ -57,7 +57,16 @@ impl Bench {
 
     /// Median wall time of `f` in microseconds.
     fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        let (warmup, iters) = match self.iterations {
+        // FASTOPS_BENCH_CALLS="warm-up,timed" overrides every section's counts (e.g. "0,1"
+        // under a profiler, so that each case's kernels run once).
+        let forced = std::env::var("FASTOPS_BENCH_CALLS").ok().and_then(|v| {
+            let (w, t) = v.split_once(',')?;
+            Some((
+                w.trim().parse().ok()?,
+                t.trim().parse::<usize>().ok()?.max(1),
+            ))
+        });
+        let (warmup, iters) = match forced.or(self.iterations) {
             Some(counts) => counts,
             None if self.device.is_cuda() => (10, 50),
             None => (2, 11),

@@ -1008,3 +1008,73 @@ MATMUL_KERNELS(__half, f16, _h16_, ASYNC)
 MATMUL_KERNELS(__nv_bfloat16, bf16, _h16_, ASYNC)
 MATMUL_KERNELS(float, f32, _tf32_, ASYNC)
 MATMUL_KERNELS(float, f32, _tf32x3_, ASYNC_X3)
+
+// masked_bmm's output gradient behind its mask: out[b, i, j] = keep(b, i, j) ? g[b, i, j] : 0, a
+// block per 128 x 128 tile read by the plan's state: an empty tile writes zeros without reading
+// g, a full tile copies, a partial tile reads the mask. g and out are contiguous [batch, rows,
+// cols]; the mask is any-strided u8 (batch stride 0 when shared), the plan [plan batch, row
+// tiles, col tiles] (batch stride 0 when shared). VEC: 16-byte accesses (cols and g's offset
+// multiples of the vector width).
+struct MaskGradArgs {
+    int64_t mask_batch_stride, mask_row_stride, mask_col_stride, plan_batch_stride;
+    uint64_t batch, rows, cols, row_tiles, col_tiles;
+};
+static_assert(sizeof(MaskGradArgs) == 72, "MaskGradArgs is mirrored by a Rust #[repr(C)] struct of 72 bytes");
+
+namespace {
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void mask_grad(const T* __restrict__ g, const uint8_t* __restrict__ mask,
+                                          const uint8_t* __restrict__ plan, T* __restrict__ out, MaskGradArgs a) {
+    constexpr int V = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;
+    const uint64_t tiles = a.batch * a.row_tiles * a.col_tiles;
+    for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const uint64_t tj = t % a.col_tiles, ti = (t / a.col_tiles) % a.row_tiles, b = t / (a.col_tiles * a.row_tiles);
+        const uint8_t state = plan[static_cast<int64_t>(b) * a.plan_batch_stride + ti * a.col_tiles + tj];
+        const uint64_t r0 = ti * TILE, c0 = tj * TILE;
+        const uint32_t nr = static_cast<uint32_t>(min(static_cast<uint64_t>(TILE), a.rows - r0));
+        const uint32_t nc = static_cast<uint32_t>(min(static_cast<uint64_t>(TILE), a.cols - c0));
+        const uint32_t chunks = (nc + V - 1) / V;
+        const uint64_t base = (b * a.rows + r0) * a.cols + c0;
+        const uint8_t* keep = mask + static_cast<int64_t>(b) * a.mask_batch_stride +
+                              static_cast<int64_t>(r0) * a.mask_row_stride + static_cast<int64_t>(c0) * a.mask_col_stride;
+        for (uint32_t i = threadIdx.x; i < nr * chunks; i += blockDim.x) {
+            const uint32_t r = i / chunks, c = (i - r * chunks) * V;
+            const uint64_t at = base + static_cast<uint64_t>(r) * a.cols + c;
+            const uint8_t* keep_row = keep + static_cast<int64_t>(r) * a.mask_row_stride;
+            if constexpr (VEC) {
+                Vec16<T> v;
+                if (state == fastops_constants::matmul::TILE_EMPTY) {
+                    v.raw = make_uint4(0, 0, 0, 0);
+                } else {
+                    v.raw = __ldcs(reinterpret_cast<const uint4*>(g + at));
+                    if (state == fastops_constants::matmul::TILE_PARTIAL) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e)
+                            if (keep_row[static_cast<int64_t>(c + e) * a.mask_col_stride] == 0) v.lanes[e] = from_float<T>(0.0f);
+                    }
+                }
+                __stcs(reinterpret_cast<uint4*>(out + at), v.raw);
+            } else {
+                T x = from_float<T>(0.0f);
+                if (state != fastops_constants::matmul::TILE_EMPTY &&
+                    (state == fastops_constants::matmul::TILE_FULL || keep_row[static_cast<int64_t>(c) * a.mask_col_stride] != 0))
+                    x = g[at];
+                out[at] = x;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#define MASK_GRAD_KERNELS(T, SUFFIX)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS) mask_grad_vec_##SUFFIX(                            \
+        const T* g, const uint8_t* mask, const uint8_t* plan, T* out, MaskGradArgs a) {                    \
+        mask_grad<T, true>(g, mask, plan, out, a);                                                         \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS) mask_grad_scalar_##SUFFIX(                         \
+        const T* g, const uint8_t* mask, const uint8_t* plan, T* out, MaskGradArgs a) {                    \
+        mask_grad<T, false>(g, mask, plan, out, a);                                                        \
+    }
+FASTOPS_FLOAT_KERNELS(MASK_GRAD_KERNELS)

@@ -322,6 +322,53 @@ fn masked_bmm_autograd_matches_composed() -> Result<()> {
     Ok(())
 }
 
+/// The masked gradient at widths whose rows take the 16-byte path on CUDA (n a multiple of 8)
+/// and one that does not, per-batch and shared masks, every dtype: gradients against the
+/// composed product (matmul, multiply by the mask) through candle's autograd.
+#[test]
+fn masked_bmm_backward_at_vector_widths() -> Result<()> {
+    for_each_device(|dev| {
+        for dtype in float_dtypes(dev) {
+            for (c, (n, per_batch)) in [(264usize, false), (264, true), (136, true), (131, false)]
+                .into_iter()
+                .enumerate()
+            {
+                let (batch, m, k) = (3, 200, 16);
+                let salt = 700 + 10 * c as u64;
+                let a = Var::from_tensor(&rand_tensor(&[batch, m, k], 1.0, dtype, dev, salt)?)?;
+                let b = Var::from_tensor(&rand_tensor(&[batch, k, n], 1.0, dtype, dev, salt + 1)?)?;
+                let w = rand_tensor(&[batch, m, n], 1.0, dtype, dev, salt + 2)?;
+                let mask = if per_batch {
+                    make_mask(MaskKind::Random, &[batch, m, n], dev, salt + 3)?
+                } else {
+                    make_mask(MaskKind::Causal, &[m, n], dev, salt + 3)?
+                };
+                let out = masked_bmm(a.as_tensor(), b.as_tensor(), &mask, 0.0)?;
+                let grads = (out * &w)?.sum_all()?.backward()?;
+                let keep = mask.ne(0u8)?.to_dtype(dtype)?;
+                let composed = a.as_tensor().matmul(b.as_tensor())?.broadcast_mul(&keep)?;
+                let ref_grads = (composed * &w)?.sum_all()?.backward()?;
+                let t = match dtype {
+                    DType::F32 | DType::F64 => 1e-5,
+                    other => tolerance(other) * 4.0,
+                };
+                for (v, name) in [(&a, "a"), (&b, "b")] {
+                    let got = to_f64(grads.get(v.as_tensor()).expect("gradient"))?;
+                    let want = to_f64(ref_grads.get(v.as_tensor()).expect("reference gradient"))?;
+                    assert_close(
+                        &got,
+                        &want,
+                        t,
+                        &format!("grad {name} {dtype:?} n {n} per-batch mask {per_batch}"),
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 /// The backward's span products against f64: grad_a = (w masked) . b^T and grad_b = a^T . (w
 /// masked) for `loss = sum(w * out)`. Causal (spans that end on the diagonal), a mask whose
 /// spans hold empty tiles inside them, per-batch masks with one batch entry all masked (empty

@@ -174,6 +174,49 @@ fn masked_bmm_past_2_31() -> Result<()> {
             assert_close(&got, &expected, 1e-5, &format!("masked_bmm [{bi}, {r}]"));
         }
     }
+    drop(out);
+    // The backward of sum(out): the output gradient masked by tiles (an element past 2^31 in
+    // each of the last batch entries), then grad_a[i] = sum_{j <= i} bt[j] and
+    // grad_bt[j] = sum_{i >= j} a[i].
+    let (av, btv) = (Var::from_tensor(&a)?, Var::from_tensor(&bt)?);
+    let out = candle_fastops::masked_bmm(
+        av.as_tensor(),
+        &btv.as_tensor().transpose(1, 2)?,
+        &causal,
+        -1e9,
+    )?;
+    let grads = out.sum_all()?.backward()?;
+    drop(out);
+    let (grad_a, grad_bt) = (
+        grads.get(av.as_tensor()).expect("grad a"),
+        grads.get(btv.as_tensor()).expect("grad bt"),
+    );
+    for bi in [0, batch - 1] {
+        let (amat, bmat) = (
+            to_f64(&a.get(bi)?.to_dtype(DType::F64)?)?,
+            to_f64(&bt.get(bi)?.to_dtype(DType::F64)?)?,
+        );
+        for r in sampled(m) {
+            let want_a: Vec<f64> = (0..k)
+                .map(|p| (0..=r).map(|j| bmat[j * k + p]).sum())
+                .collect();
+            let want_bt: Vec<f64> = (0..k)
+                .map(|p| (r..m).map(|i| amat[i * k + p]).sum())
+                .collect();
+            assert_close(
+                &row(&grad_a.get(bi)?, r)?,
+                &want_a,
+                1e-4,
+                &format!("grad a [{bi}, {r}]"),
+            );
+            assert_close(
+                &row(&grad_bt.get(bi)?, r)?,
+                &want_bt,
+                1e-4,
+                &format!("grad bt [{bi}, {r}]"),
+            );
+        }
+    }
     Ok(())
 }
 

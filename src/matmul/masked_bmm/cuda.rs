@@ -1,5 +1,5 @@
 use super::{Dims, TILE};
-use crate::cuda::{alloc_output, kernel_args};
+use crate::cuda::{alloc_output, grid_stride_config, kernel_args, Kernel, Module};
 use crate::dispatch::mirrored_struct;
 use crate::matmul::core::cuda::{core_launch, ProblemArgs};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
@@ -49,6 +49,54 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
                 cfg,
                 kernel_args!(&a, &b, mask, states, &out, &problem, &mask_args),
             )?;
+        }
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// `MaskGradArgs` in `src/cuda/matmul.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct MaskGradArgs {
+    pub(super) mask_batch_stride: i64,
+    pub(super) mask_row_stride: i64,
+    pub(super) mask_col_stride: i64,
+    pub(super) plan_batch_stride: i64,
+    pub(super) batch: u64,
+    pub(super) rows: u64,
+    pub(super) cols: u64,
+    pub(super) row_tiles: u64,
+    pub(super) col_tiles: u64,
+}
+// Mirrored by `MaskGradArgs` in src/cuda/matmul.cu.
+mirrored_struct!(MaskGradArgs, 72, kernel_arg);
+
+/// The output gradient behind the mask (`mask_grad_*` in `src/cuda/matmul.cu`): `grad` is the
+/// contiguous gradient from its element offset `grad_start`, `mask` and `states` views from
+/// their first elements.
+pub(super) fn mask_grad<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+    dev: &CudaDevice, grad: &CudaView<'_, T>, grad_start: usize, mask: &CudaView<'_, u8>,
+    states: &CudaView<'_, u8>, args: &MaskGradArgs,
+) -> Result<CudaStorage> {
+    let len = (args.batch * args.rows * args.cols) as usize;
+    let out = alloc_output::<T>(dev, len)?;
+    let tiles = args.batch * args.row_tiles * args.col_tiles;
+    if tiles > 0 {
+        let width = 16 / std::mem::size_of::<T>();
+        let vec = (args.cols as usize).is_multiple_of(width) && grad_start.is_multiple_of(width);
+        let variant = if vec {
+            "mask_grad_vec"
+        } else {
+            "mask_grad_scalar"
+        };
+        let kernel = Kernel::load_typed::<T>(dev, Module::Matmul, &[variant])?;
+        let threads = crate::kernel_constants::matmul::THREADS as u32;
+        let cfg = grid_stride_config(dev, tiles * threads as u64, threads, 8, 0)?;
+        // SAFETY: the arguments match `mask_grad_*(g, mask, plan, out, args)`; g and out hold
+        // batch x rows x cols elements, the mask and plan are read at indices inside their
+        // layouts (strides from the layouts, batch strides 0 when shared).
+        unsafe {
+            kernel.launch(cfg, kernel_args!(grad, mask, states, &out, args))?;
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

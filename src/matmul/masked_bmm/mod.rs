@@ -392,15 +392,122 @@ impl CustomOp3 for MaskedBmm {
     fn bwd(
         &self, a: &Tensor, b: &Tensor, mask: &Tensor, _res: &Tensor, grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let keep = mask.ne(&mask.zeros_like()?)?.broadcast_as(grad.shape())?;
-        let zero = Tensor::zeros((), grad.dtype(), grad.device())?.broadcast_as(grad.shape())?;
-        let grad = keep.where_cond(grad, &zero)?;
+        let grad = grad.contiguous()?.apply_op2_no_bwd(
+            mask,
+            &MaskGrad {
+                plan: self.plan.clone(),
+            },
+        )?;
         // Only the spans of non-empty mask tiles contribute: along the mask's columns for
         // grad_a (per row tile), along its rows for grad_b (per column tile).
         let (row_spans, col_spans) = self.plan.spans()?;
         let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, row_spans, false, self.mode)?;
         let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, col_spans, true, self.mode)?;
         Ok((Some(grad_a), Some(grad_b), None))
+    }
+}
+
+/// The output gradient behind the mask: `keep ? g : 0` (`grad` contiguous `[batch, m, n]`, the
+/// mask u8 `[1 or batch, m, n]`). On CUDA one pass by the plan's tiles: empty tiles write zeros
+/// without reading the gradient, full tiles copy it, partial tiles read the mask.
+struct MaskGrad {
+    /// Read by the CUDA pass; the CPU pass reads the mask alone.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    plan: MaskPlan,
+}
+
+impl MaskGrad {
+    /// `(batch, m, n)` of the gradient and the mask's `[batch, row, col]` strides (batch 0 when
+    /// shared), checked against each other.
+    fn geometry(grad: &Layout, mask: &Layout) -> Result<((usize, usize, usize), [usize; 3])> {
+        let (batch, m, n) = grad.shape().dims3()?;
+        let (mask_batch, mask_m, mask_n) = mask.shape().dims3()?;
+        if (mask_m, mask_n) != (m, n) || !(mask_batch == 1 || mask_batch == batch) {
+            bail!(
+                "{OP}: internal error, gradient {:?} against mask {:?}",
+                grad.dims(),
+                mask.dims()
+            );
+        }
+        let s = mask.stride();
+        let batch_stride = if mask_batch == 1 { 0 } else { s[0] };
+        Ok(((batch, m, n), [batch_stride, s[1], s[2]]))
+    }
+}
+
+impl candle_core::CustomOp2 for MaskGrad {
+    fn name(&self) -> &'static str {
+        "fastops-masked-bmm-mask-grad"
+    }
+
+    fn cpu_fwd(
+        &self, grad: &CpuStorage, grad_layout: &Layout, mask: &CpuStorage, mask_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        let ((batch, m, n), [bs, rs, cs]) = Self::geometry(grad_layout, mask_layout)?;
+        let Some((start, end)) = grad_layout.contiguous_offsets() else {
+            bail!("{OP}: internal error, the gradient is not contiguous");
+        };
+        let mask = &mask.as_slice::<u8>()?[mask_layout.start_offset()..];
+        let out = crate::dispatch::with_float_cpu!(OP, grad, |grad| {
+            let grad = &grad[start..end];
+            let mut out = grad.to_vec();
+            if n > 0 {
+                out.par_chunks_mut(n).enumerate().for_each(|(row, dst)| {
+                    let (b, i) = (row / m, row % m);
+                    let keep = &mask[b * bs + i * rs..];
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        if keep[j * cs] == 0 {
+                            *d = candle_core::WithDType::from_f64(0.0);
+                        }
+                    }
+                });
+            }
+            candle_core::WithDType::to_cpu_storage_owned(out)
+        });
+        Ok((out, Shape::from((batch, m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self, grad: &candle_core::CudaStorage, grad_layout: &Layout,
+        mask: &candle_core::CudaStorage, mask_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ((batch, m, n), [bs, rs, cs]) = Self::geometry(grad_layout, mask_layout)?;
+        let Some((start, end)) = grad_layout.contiguous_offsets() else {
+            bail!("{OP}: internal error, the gradient is not contiguous");
+        };
+        let lock = self.plan.states.storage_and_layout();
+        let candle_core::Storage::Cuda(states) = &*lock.0 else {
+            bail!("{OP}: the plan is not on the GPU");
+        };
+        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
+        let plan_tiles = row_tiles * col_tiles;
+        let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
+        let args = cuda::MaskGradArgs {
+            mask_batch_stride: bs as i64,
+            mask_row_stride: rs as i64,
+            mask_col_stride: cs as i64,
+            plan_batch_stride: if states.len() > plan_tiles {
+                plan_tiles as i64
+            } else {
+                0
+            },
+            batch: batch as u64,
+            rows: m as u64,
+            cols: n as u64,
+            row_tiles: row_tiles as u64,
+            col_tiles: col_tiles as u64,
+        };
+        let mask = mask
+            .as_cuda_slice::<u8>()?
+            .slice(mask_layout.start_offset()..);
+        let dev = &grad.device;
+        let out = crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
+            let g = g.slice(start..end);
+            cuda::mask_grad(dev, &g, start, &mask, &states, &args)?
+        });
+        Ok((out, Shape::from((batch, m, n))))
     }
 }
 
