@@ -324,7 +324,7 @@ fn masked_bmm_autograd_matches_composed() -> Result<()> {
 
 /// The masked gradient at widths whose rows take the 16-byte path on CUDA (n a multiple of 8)
 /// and one that does not, per-batch and shared masks, every dtype: gradients against the
-/// composed product (matmul, multiply by the mask) through candle's autograd.
+/// composed product (matmul, multiply by the mask) in f64 on the CPU through candle's autograd.
 #[test]
 fn masked_bmm_backward_at_vector_widths() -> Result<()> {
     for_each_device(|dev| {
@@ -345,16 +345,25 @@ fn masked_bmm_backward_at_vector_widths() -> Result<()> {
                 };
                 let out = masked_bmm(a.as_tensor(), b.as_tensor(), &mask, 0.0)?;
                 let grads = (out * &w)?.sum_all()?.backward()?;
-                let keep = mask.ne(0u8)?.to_dtype(dtype)?;
-                let composed = a.as_tensor().matmul(b.as_tensor())?.broadcast_mul(&keep)?;
-                let ref_grads = (composed * &w)?.sum_all()?.backward()?;
+                // The reference: the composed product in f64 on the CPU.
+                let cpu64 = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+                let (a64, b64) = (
+                    Var::from_tensor(&cpu64(a.as_tensor())?)?,
+                    Var::from_tensor(&cpu64(b.as_tensor())?)?,
+                );
+                let keep = cpu64(&mask.ne(0u8)?)?;
+                let composed = a64
+                    .as_tensor()
+                    .matmul(b64.as_tensor())?
+                    .broadcast_mul(&keep)?;
+                let ref_grads = (composed * cpu64(&w)?)?.sum_all()?.backward()?;
                 let t = match dtype {
                     DType::F32 | DType::F64 => 1e-5,
                     other => tolerance(other) * 4.0,
                 };
-                for (v, name) in [(&a, "a"), (&b, "b")] {
+                for (v, v64, name) in [(&a, &a64, "a"), (&b, &b64, "b")] {
                     let got = to_f64(grads.get(v.as_tensor()).expect("gradient"))?;
-                    let want = to_f64(ref_grads.get(v.as_tensor()).expect("reference gradient"))?;
+                    let want = to_f64(ref_grads.get(v64.as_tensor()).expect("reference gradient"))?;
                     assert_close(
                         &got,
                         &want,
