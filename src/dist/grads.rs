@@ -55,6 +55,9 @@ pub struct GradAllReduce {
     vars: Vec<(String, Var)>,
     buckets: Vec<Range<usize>>,
     config: BucketConfig,
+    /// Per bucket, the presence flags of a step where every variable has a gradient (all ones,
+    /// wire dtype, on the group's device), made once: the common step uploads nothing.
+    all_present: Vec<Tensor>,
 }
 
 impl GradAllReduce {
@@ -103,10 +106,15 @@ impl GradAllReduce {
         if start < vars.len() {
             buckets.push(start..vars.len());
         }
+        let all_present = buckets
+            .iter()
+            .map(|b| Tensor::ones(b.len(), config.wire.dtype(), group.device()))
+            .collect::<Result<_>>()?;
         let reducer = Self {
             vars,
             buckets,
             config,
+            all_present,
         };
         check_same_on_every_rank(group, hash, "variables")?;
         Ok(reducer)
@@ -130,7 +138,7 @@ impl GradAllReduce {
             return Ok(()); // the mean over one rank
         }
         let wire = self.config.wire.dtype();
-        for bucket in &self.buckets {
+        for (bucket, all_present) in self.buckets.iter().zip(&self.all_present) {
             let vars = &self.vars[bucket.clone()];
             // [gradients..., one presence flag per variable]
             let mut parts = Vec::with_capacity(vars.len() + 1);
@@ -154,7 +162,11 @@ impl GradAllReduce {
                     }
                 }
             }
-            parts.push(Tensor::new(flags.as_slice(), group.device())?.to_dtype(wire)?);
+            parts.push(if flags.iter().all(|f| *f > 0.0) {
+                all_present.clone()
+            } else {
+                Tensor::new(flags.as_slice(), group.device())?.to_dtype(wire)?
+            });
             let flat = Tensor::cat(&parts, 0)?;
             // `flat` is this call's own buffer: reduced in place.
             let mean = group.all_reduce_in_place(flat, ReduceOp::Avg)?;

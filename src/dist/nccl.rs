@@ -152,6 +152,41 @@ impl AllReduce<'_> {
     }
 }
 
+/// `with_nccl_type!(dtype, "what", T => expr)`: `expr` with `T` the element type of `dtype`, for
+/// the dtypes the collectives move (f32, f64, f16, bf16, u32, i64); any other is an error naming
+/// the collective.
+macro_rules! with_nccl_type {
+    ($dtype:expr, $what:expr, $t:ident => $body:expr) => {{
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            dt => bail!("dist: {} of {dt:?}", $what),
+        }
+    }};
+}
+
 impl candle_core::InplaceOp1 for AllReduce<'_> {
     fn name(&self) -> &'static str {
         "nccl-all-reduce-in-place"
@@ -163,15 +198,7 @@ impl candle_core::InplaceOp1 for AllReduce<'_> {
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> Result<()> {
         self.check_dtype(storage.dtype())?;
-        match storage.dtype() {
-            DType::F32 => self.run_in_place::<f32>(storage, layout),
-            DType::F64 => self.run_in_place::<f64>(storage, layout),
-            DType::F16 => self.run_in_place::<half::f16>(storage, layout),
-            DType::BF16 => self.run_in_place::<half::bf16>(storage, layout),
-            DType::U32 => self.run_in_place::<u32>(storage, layout),
-            DType::I64 => self.run_in_place::<i64>(storage, layout),
-            dt => bail!("dist: all_reduce of {dt:?}"),
-        }
+        with_nccl_type!(storage.dtype(), "all_reduce", T => self.run_in_place::<T>(storage, layout))
     }
 }
 
@@ -187,15 +214,7 @@ impl candle_core::CustomOp1 for AllReduce<'_> {
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = &storage.device;
         self.check_dtype(storage.dtype())?;
-        let out = match storage.dtype() {
-            DType::F32 => self.run::<f32>(storage, layout, dev)?,
-            DType::F64 => self.run::<f64>(storage, layout, dev)?,
-            DType::F16 => self.run::<half::f16>(storage, layout, dev)?,
-            DType::BF16 => self.run::<half::bf16>(storage, layout, dev)?,
-            DType::U32 => self.run::<u32>(storage, layout, dev)?,
-            DType::I64 => self.run::<i64>(storage, layout, dev)?,
-            dt => bail!("dist: all_reduce of {dt:?}"),
-        };
+        let out = with_nccl_type!(storage.dtype(), "all_reduce", T => self.run::<T>(storage, layout, dev))?;
         Ok((out, layout.shape().clone()))
     }
 }
@@ -226,15 +245,7 @@ impl candle_core::CustomOp1 for AllGather<'_> {
 
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = &storage.device;
-        let out = match storage.dtype() {
-            DType::F32 => self.run::<f32>(storage, layout, dev)?,
-            DType::F64 => self.run::<f64>(storage, layout, dev)?,
-            DType::F16 => self.run::<half::f16>(storage, layout, dev)?,
-            DType::BF16 => self.run::<half::bf16>(storage, layout, dev)?,
-            DType::U32 => self.run::<u32>(storage, layout, dev)?,
-            DType::I64 => self.run::<i64>(storage, layout, dev)?,
-            dt => bail!("dist: all_gather of {dt:?}"),
-        };
+        let out = with_nccl_type!(storage.dtype(), "all_gather", T => self.run::<T>(storage, layout, dev))?;
         let mut dims = vec![self.comm.world_size()];
         dims.extend_from_slice(layout.dims());
         Ok((out, Shape::from(dims)))
@@ -271,13 +282,7 @@ impl candle_core::InplaceOp1 for BroadcastInPlace<'_> {
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> Result<()> {
-        match storage.dtype() {
-            DType::F32 => self.run::<f32>(storage, layout),
-            DType::F64 => self.run::<f64>(storage, layout),
-            DType::F16 => self.run::<half::f16>(storage, layout),
-            DType::BF16 => self.run::<half::bf16>(storage, layout),
-            dt => bail!("dist: broadcast of {dt:?}"),
-        }
+        with_nccl_type!(storage.dtype(), "broadcast", T => self.run::<T>(storage, layout))
     }
 }
 

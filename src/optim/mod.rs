@@ -27,3 +27,35 @@ mod small_fc_lopt;
 pub use adamw::AdamW;
 
 pub use small_fc_lopt::{LOptBackend, MlpWeights, NonFiniteGrads, ParamsSmallFcLOpt, SmallFcLOpt};
+
+/// The gradient of variable `name` in `grads` (`None` when it has none), checked against the
+/// variable: same shape, same device, a float dtype. Optimizers check every gradient this way
+/// before they change any variable, so a bad one leaves the model as it was.
+pub(crate) fn checked_grad<'g>(
+    op: &str, name: &str, var: &candle_core::Var, grads: &'g candle_core::backprop::GradStore,
+) -> candle_core::Result<Option<&'g candle_core::Tensor>> {
+    let Some(grad) = grads.get(var) else {
+        return Ok(None);
+    };
+    if grad.dims() != var.dims() {
+        candle_core::bail!(
+            "{op}: gradient of variable `{name}` has shape {:?}, the variable {:?}",
+            grad.dims(),
+            var.dims()
+        );
+    }
+    if !grad.device().same_device(var.device()) {
+        candle_core::bail!(
+            "{op}: gradient of variable `{name}` is on {:?}, the variable on {:?}",
+            grad.device().location(),
+            var.device().location()
+        );
+    }
+    if !grad.dtype().is_float() {
+        candle_core::bail!(
+            "{op}: gradient of variable `{name}` is {:?}, not a float dtype",
+            grad.dtype()
+        );
+    }
+    Ok(Some(grad))
+}

@@ -89,28 +89,9 @@ impl candle_nn::Optimizer for AdamW {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let mut work = Vec::with_capacity(self.states.len());
         for (i, s) in self.states.iter().enumerate() {
-            let Some(g) = grads.get(&s.var) else {
+            let Some(g) = super::checked_grad(OP, &s.name, &s.var, grads)? else {
                 continue;
             };
-            if g.dims() != s.var.dims() {
-                bail!(
-                    "{OP}: gradient of `{}` has shape {:?}, the variable {:?}",
-                    s.name,
-                    g.dims(),
-                    s.var.dims()
-                );
-            }
-            if !g.device().same_device(s.var.device()) {
-                bail!(
-                    "{OP}: gradient of `{}` is on {:?}, the variable on {:?}",
-                    s.name,
-                    g.device().location(),
-                    s.var.device().location()
-                );
-            }
-            if !g.dtype().is_float() {
-                bail!("{OP}: gradient of `{}` is {:?}", s.name, g.dtype());
-            }
             if s.var.elem_count() > 0 {
                 work.push((i, g.to_dtype(s.var.dtype())?.contiguous()?));
             }

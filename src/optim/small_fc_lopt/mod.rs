@@ -101,32 +101,9 @@ impl candle_nn::Optimizer for SmallFcLOpt {
         // Check everything first: a bad gradient must not leave some tensors updated.
         let mut work = Vec::with_capacity(self.states.len());
         for (i, state) in self.states.iter().enumerate() {
-            let Some(grad) = grads.get(&state.var) else {
+            let Some(grad) = super::checked_grad(OP, &state.name, &state.var, grads)? else {
                 continue;
             };
-            if grad.dims() != state.var.dims() {
-                bail!(
-                    "{OP}: gradient of variable `{}` has shape {:?}, the variable {:?}",
-                    state.name,
-                    grad.dims(),
-                    state.var.dims()
-                );
-            }
-            if !grad.device().same_device(state.var.device()) {
-                bail!(
-                    "{OP}: gradient of variable `{}` is on {:?}, the variable on {:?}",
-                    state.name,
-                    grad.device().location(),
-                    state.var.device().location()
-                );
-            }
-            if !grad.dtype().is_float() {
-                bail!(
-                    "{OP}: gradient of variable `{}` is {:?}, not a float dtype",
-                    state.name,
-                    grad.dtype()
-                );
-            }
             work.push((i, grad.clone()));
         }
         let decays = Decays {
