@@ -9,6 +9,10 @@ use std::sync::{Arc, Barrier, Mutex};
 /// Meant for tests and for trying data-parallel code without several GPUs: every rank must call
 /// the same collectives in the same order, and a rank that stops (returns or panics) leaves the
 /// others waiting, as with any process group.
+///
+/// On CUDA every collective first waits for the calling rank's queued work (candle's devices
+/// queue each thread's work on that thread's own stream, so tensors handed between rank threads
+/// must be complete): a collective is a synchronisation point, as a blocking NCCL call is.
 #[derive(Clone)]
 pub struct LocalGroup {
     rank: usize,
@@ -61,7 +65,13 @@ impl LocalGroup {
     /// Deposits this rank's tensors, waits for every rank, and returns every rank's deposit.
     /// The second barrier keeps a rank from overwriting its slot (in the next collective) while
     /// another still reads it.
+    ///
+    /// On CUDA each rank thread queues its work on its own stream (candle's devices use the
+    /// per-thread default stream), so a rank finishes the work that produces its deposit before
+    /// handing it over: another rank's kernels will read it from another stream. The deposits
+    /// are shared handles, so a buffer stays allocated while any rank still holds it.
     fn exchange(&self, deposit: Vec<Option<Tensor>>) -> Result<Vec<Vec<Option<Tensor>>>> {
+        self.device.synchronize()?;
         self.lock()?[self.rank] = deposit;
         self.shared.barrier.wait();
         let all = self.lock()?.clone();
@@ -144,6 +154,8 @@ impl Collectives for LocalGroup {
             .iter()
             .map(|(var, root)| (*root == self.rank).then(|| var.as_tensor().clone()))
             .collect();
+        // The roots' values final before another rank's stream reads them (see `exchange`).
+        self.device.synchronize()?;
         self.lock()?[self.rank] = deposit;
         self.shared.barrier.wait();
         // Copy while the roots wait at the second barrier, so their variables stay unchanged.
@@ -163,7 +175,8 @@ impl Collectives for LocalGroup {
                     ),
                 }
             }
-            Ok(())
+            // The copies done before the roots, past the barrier, change their variables.
+            self.device.synchronize()
         })();
         self.shared.barrier.wait();
         result
