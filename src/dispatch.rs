@@ -132,32 +132,41 @@ pub(crate) fn check_float_operands(
     Ok(())
 }
 
+/// `with_type_of!(dtype, [F32 => f32, ..], T => body, other => fallback)`: `body` with the type
+/// `T` bound to the Rust type listed for `dtype`; `fallback` (with `other` bound to the dtype)
+/// for a dtype not listed. The one dtype-to-type dispatch of code generic over the element type
+/// rather than over a storage.
+#[cfg(feature = "cuda")]
+macro_rules! with_type_of {
+    ($dtype:expr, [$($variant:ident => $ty:ty),* $(,)?], $t:ident => $body:expr, $other:ident => $fallback:expr) => {{
+        match $dtype {
+            $(candle_core::DType::$variant => {
+                type $t = $ty;
+                $body
+            })*
+            $other => $fallback,
+        }
+    }};
+}
+#[cfg(feature = "cuda")]
+pub(crate) use with_type_of;
+
 /// `with_float_cuda_type!(op_name, dtype, T => body)`: `body` with the type `T` bound to the Rust
 /// type of an f32, f16 or bf16 `dtype` (for code generic over the element type rather than over a
 /// storage); other dtypes are an error naming the op.
 #[cfg(feature = "cuda")]
 macro_rules! with_float_cuda_type {
-    ($op:expr, $dtype:expr, $t:ident => $body:expr) => {{
-        use candle_core::DType;
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
+    ($op:expr, $dtype:expr, $t:ident => $body:expr) => {
+        $crate::dispatch::with_type_of!(
+            $dtype,
+            [F32 => f32, F16 => half::f16, BF16 => half::bf16],
+            $t => $body,
             other => candle_core::bail!(
                 "{}: unsupported dtype {other:?} on CUDA (expected f32, f16 or bf16)",
                 $op
-            ),
-        }
-    }};
+            )
+        )
+    };
 }
 #[cfg(feature = "cuda")]
 pub(crate) use with_float_cuda_type;

@@ -156,35 +156,14 @@ impl AllReduce<'_> {
 /// the dtypes the collectives move (f32, f64, f16, bf16, u32, i64); any other is an error naming
 /// the collective.
 macro_rules! with_nccl_type {
-    ($dtype:expr, $what:expr, $t:ident => $body:expr) => {{
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            dt => bail!("dist: {} of {dt:?}", $what),
-        }
-    }};
+    ($dtype:expr, $what:expr, $t:ident => $body:expr) => {
+        crate::dispatch::with_type_of!(
+            $dtype,
+            [F32 => f32, F64 => f64, F16 => half::f16, BF16 => half::bf16, U32 => u32, I64 => i64],
+            $t => $body,
+            dt => bail!("dist: {} of {dt:?}", $what)
+        )
+    };
 }
 
 impl candle_core::InplaceOp1 for AllReduce<'_> {

@@ -26,14 +26,9 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
     let blocks = batch * row_tiles * col_tiles;
     if blocks > 0 {
-        let plan_tiles = row_tiles * col_tiles;
         let mask_args = MaskArgs {
             mask_batch_stride: dims.mask_batch_stride as i64,
-            plan_batch_stride: if states.len() > plan_tiles {
-                plan_tiles as i64
-            } else {
-                0
-            },
+            plan_batch_stride: super::plan_batch_stride(states.len(), row_tiles * col_tiles) as i64,
             fill: fill as f32,
         };
         let problem = ProblemArgs::new(&dims.a, &dims.b, a.len(), b.len());

@@ -184,6 +184,16 @@ pub fn masked_bmm_with(
     a.apply_op3(b, &mask3, op)
 }
 
+/// Plan states between batch entries: `tiles` (one plan entry's tile count) for a per-batch plan
+/// of `plan_len` states, 0 for one plan shared by the batch.
+fn plan_batch_stride(plan_len: usize, tiles: usize) -> usize {
+    if plan_len > tiles {
+        tiles
+    } else {
+        0
+    }
+}
+
 fn check_mask_dtype(mask: &Tensor) -> Result<()> {
     if mask.dtype() != DType::U8 {
         bail!(
@@ -284,11 +294,7 @@ impl MaskedBmm {
         dims.b.check_within(b.len(), OP)?;
         let fill = A::from_f64(self.fill);
         let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        let plan_batch_stride = if states.len() == row_tiles * col_tiles {
-            0
-        } else {
-            row_tiles * col_tiles
-        };
+        let plan_batch_stride = plan_batch_stride(states.len(), row_tiles * col_tiles);
         let fill = |bi: usize, ti: usize, out_rows: &mut [std::mem::MaybeUninit<A>]| {
             let row0 = ti * TILE;
             let rows = row0..(row0 + TILE).min(m);
@@ -482,17 +488,12 @@ impl candle_core::CustomOp2 for MaskGrad {
             bail!("{OP}: the plan is not on the GPU");
         };
         let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        let plan_tiles = row_tiles * col_tiles;
         let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
         let args = cuda::MaskGradArgs {
             mask_batch_stride: bs as i64,
             mask_row_stride: rs as i64,
             mask_col_stride: cs as i64,
-            plan_batch_stride: if states.len() > plan_tiles {
-                plan_tiles as i64
-            } else {
-                0
-            },
+            plan_batch_stride: plan_batch_stride(states.len(), row_tiles * col_tiles) as i64,
             batch: batch as u64,
             rows: m as u64,
             cols: n as u64,
