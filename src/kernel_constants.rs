@@ -40,8 +40,6 @@ pub mod tile_summary {
 pub mod bias_add {
     /// Threads per block.
     pub const THREADS: usize = 256;
-    /// Independent 16-byte loads a thread issues before their first use.
-    pub const UNROLL: usize = 4;
 }
 
 /// softmax / log_softmax over a set of dims.
@@ -56,12 +54,21 @@ pub mod softmax {
     pub const CACHED_VECTORS: usize = 4;
     /// Groups one thread of the `_lanes` kernels reduces side by side.
     pub const LANE_WIDTH: usize = 4;
+    /// 16-byte vectors one thread of the `_row_block` kernel (a block per contiguous row) holds.
+    pub const ROW_BLOCK_VECTORS: usize = 2;
+    /// Most threads of a `_row_block` block.
+    pub const ROW_BLOCK_MAX_THREADS: usize = 1024;
+    /// Most shared memory of one `_staged` block (its groups' elements, their offsets and the
+    /// reduction's pairs): three blocks fit a Hopper SM.
+    pub const STAGED_BYTES: usize = 76800;
 }
 
 /// sparse_linear.
 pub mod sparse_linear {
     /// Threads per block (a warp per task).
     pub const THREADS: usize = 256;
+    /// Threads of the backward's one-block scan of per-feature counts.
+    pub const SCAN_THREADS: usize = 1024;
 }
 
 /// small_fc_lopt, the learned optimizer.

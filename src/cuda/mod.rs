@@ -303,9 +303,45 @@ impl FastDiv {
     }
 }
 
+/// Division of any 64-bit `n` by a launch constant (Granlund & Montgomery's round-up method):
+/// `t = umulhi(multiplier, n)`, `q = (t + ((n - t) >> shift1)) >> shift2`. Exact for every
+/// divisor from 1 to `u64::MAX`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct FastDiv64 {
+    pub divisor: u64,
+    pub multiplier: u64,
+    pub shift1: u32,
+    pub shift2: u32,
+}
+// Mirrored by `FastDiv64` in src/cuda/bias_add.cu.
+mirrored_struct!(FastDiv64, 24);
+
+impl FastDiv64 {
+    pub(crate) fn new(divisor: u64) -> Self {
+        let d = divisor.max(1);
+        let l = 64 - (d - 1).leading_zeros(); // ceil(log2(d)); 0 for d = 1
+                                              // floor(2^64 (2^l - d) / d) + 1 < 2^64, since 2^l - d < d.
+        let multiplier = (((1u128 << 64) * ((1u128 << l) - d as u128)) / d as u128 + 1) as u64;
+        Self {
+            divisor: d,
+            multiplier,
+            shift1: l.min(1),
+            shift2: l.max(1) - 1,
+        }
+    }
+
+    /// The kernels' quotient (tests compare it with `/`).
+    #[cfg(test)]
+    fn div(&self, n: u64) -> u64 {
+        let t = ((self.multiplier as u128 * n as u128) >> 64) as u64;
+        (t + ((n - t) >> self.shift1)) >> self.shift2
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::FastDiv;
+    use super::{FastDiv, FastDiv64};
 
     #[test]
     fn fast_div_quotients_are_exact() {
@@ -339,6 +375,45 @@ mod tests {
             ns.extend((0..50).map(|_| ((next() % 1024) as u32).wrapping_mul(d as u32)));
             for n in ns {
                 assert_eq!(v.div(n), n as u64 / d, "{n} / {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn fast_div64_quotients_are_exact() {
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut divisors: Vec<u64> = (1..=70).collect();
+        divisors.extend([
+            255,
+            256,
+            257,
+            4097,
+            50257,
+            (1 << 31) + 1,
+            (1 << 32) - 1,
+            1 << 32,
+        ]);
+        divisors.extend([
+            (1 << 63) - 1,
+            1 << 63,
+            (1 << 63) + 1,
+            u64::MAX - 1,
+            u64::MAX,
+        ]);
+        divisors.extend((0..200).map(|_| next() >> (next() % 64)).filter(|&d| d > 0));
+        for d in divisors {
+            let fd = FastDiv64::new(d);
+            let mut numerators = vec![0, 1, d - 1, d, d.wrapping_add(1), u64::MAX, u64::MAX - 1];
+            numerators.extend((1..4).map(|k| d.wrapping_mul(k)));
+            numerators.extend((0..300).map(|_| next() >> (next() % 64)));
+            for n in numerators {
+                assert_eq!(fd.div(n), n / d, "{n} / {d}");
             }
         }
     }

@@ -374,7 +374,227 @@ __device__ void softmax_cached(const T* __restrict__ x, T* __restrict__ y, const
     }
 }
 
+// Block-wide max / sum for the one-row-per-block kernel: warp shuffles, then one value per warp
+// through shared memory. Every thread gets the result.
+template <bool MAX> __device__ __forceinline__ float block_fold(float v, float* scratch) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, off);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // a previous fold's readers are done with `scratch`
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : (MAX ? -CUDART_INF_F : 0.f);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, off);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    return v;
+}
+
+// Contiguous rows of at most VPT * blockDim.x 16-byte vectors (W elements each), a block per
+// row, no persistent loop: each thread loads its VPT vectors once, the block folds the max and
+// then the sum of exp(x - max), and the thread writes from registers. One read, one write.
+// blockDim.x is a multiple of 32. Same special values as the other kernels: NaN anywhere makes
+// the row NaN; a row of -inf gives zeros (log: -inf).
+template <typename T, int W, bool LOG, int VPT>
+__device__ void softmax_row_block(const T* __restrict__ x, T* __restrict__ y, const ReduceLayout& L) {
+    using U = Unit<T, W>;
+    static_assert(sizeof(U) == 16, "the row kernel moves 16-byte vectors");
+    __shared__ float scratch[32];
+    const uint32_t g = blockIdx.x;
+    const uint64_t base = group_base(L, g);
+    const U* xr = reinterpret_cast<const U*>(x + base);
+    U* yr = reinterpret_cast<U*>(y + base);
+    U raw[VPT];
+    float v[VPT][W];
+    bool nan = false;
+    float m = -CUDART_INF_F;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const uint32_t j = threadIdx.x + k * blockDim.x;
+        if (j < L.group_size) {
+            const uint4 bits = __ldcs(reinterpret_cast<const uint4*>(xr + j));
+            raw[k] = *reinterpret_cast<const U*>(&bits);
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                v[k][w] = to_float(raw[k].v[w]);
+                m = fmaxf(m, v[k][w]);
+                nan |= isnan(v[k][w]);
+            }
+        }
+    }
+    nan = __syncthreads_or(nan);
+    m = block_fold<true>(m, scratch);
+    float s = 0.f;
+    if (!nan && m != -CUDART_INF_F) {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+            if (threadIdx.x + k * blockDim.x < L.group_size)
+#pragma unroll
+                for (int w = 0; w < W; ++w) {
+                    const float e = __expf(v[k][w] - m);
+                    if constexpr (!LOG) v[k][w] = e;
+                    s += e;
+                }
+    }
+    s = block_fold<false>(s, scratch);
+    const float inv_s = 1.f / s, log_s = __logf(s);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const uint32_t j = threadIdx.x + k * blockDim.x;
+        if (j < L.group_size) {
+            U out;
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                float r;
+                if (nan) r = CUDART_NAN_F;
+                else if (m == -CUDART_INF_F) r = LOG ? -CUDART_INF_F : 0.f;
+                else r = LOG ? (v[k][w] - m) - log_s : v[k][w] * inv_s;
+                out.v[w] = from_float<T>(r);
+            }
+            __stcs(reinterpret_cast<uint4*>(yr + j), *reinterpret_cast<const uint4*>(&out));
+        }
+    }
+}
+
+// Asynchronous global -> shared copy of one unit (8 or 16 bytes).
+template <int BYTES> __device__ __forceinline__ void cp_async_unit(void* dst, const void* src) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+    } else {
+        static_assert(BYTES == 8 || BYTES == 4, "cp.async copies 4, 8 or 16 bytes");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
+    }
+}
+
+// A store marked evict-first (st.cs) of one 8- or 16-byte unit.
+template <typename U> __device__ __forceinline__ void store_streaming(U* p, const U& v) {
+    if constexpr (sizeof(U) == 16) {
+        __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+    } else if constexpr (sizeof(U) == 8) {
+        __stcs(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(&v));
+    } else {
+        *p = v;
+    }
+}
+
+// Column-like groups (lanes form: a unit is element j of LANE_WIDTH adjacent groups) staged in
+// shared memory: a block takes blockDim.x adjacent units of groups ("x") and all their
+// elements, copies them in once (cp.async, nothing held in registers, so every copy of the block
+// is in flight at once), reduces each group over the staged copy and writes from it. One read,
+// one write. The offsets of the group_size elements are decomposed once per block into a table
+// (thread y of a column walks elements y, y + blockDim.y, ...: adjacent y are adjacent in shared
+// memory, so the copies do not conflict on banks). Shared memory: the table (group_size u32,
+// padded to 16 bytes),
+// then group_size * blockDim.x units, then blockDim.x * blockDim.y pairs.
+template <typename T, bool LOG>
+__device__ void softmax_staged(const T* __restrict__ x, T* __restrict__ y, const ReduceLayout& L) {
+    constexpr int W = fastops_constants::softmax::LANE_WIDTH;
+    using U = Unit<T, W>;
+    extern __shared__ __align__(16) unsigned char staged_raw[];
+    const uint32_t lx = blockDim.x, ly = blockDim.y, size = L.group_size;
+    const uint32_t tid = threadIdx.y * lx + threadIdx.x, threads = lx * ly;
+    uint32_t* offsets = reinterpret_cast<uint32_t*>(staged_raw);
+    U* stage = reinterpret_cast<U*>(staged_raw + ((static_cast<size_t>(size) * sizeof(uint32_t) + 15) & ~size_t{15}));
+    float2* pairs = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(stage) +
+                                              static_cast<size_t>(size) * lx * sizeof(U));
+    for (uint32_t j = tid; j < size; j += threads) {
+        Cursor cur;
+        cur.seek(L, j);
+        offsets[j] = static_cast<uint32_t>(cur.offset);  // < 2^32: checked by the host
+    }
+    __syncthreads();
+    const uint32_t g = blockIdx.x * lx + threadIdx.x;  // this thread's unit of groups
+    const bool valid = g < L.num_groups;
+    const T* xg = x + (valid ? group_base(L, g * W) : 0);
+    if (valid)
+#pragma unroll 4
+        for (uint32_t j = threadIdx.y; j < size; j += ly)
+            cp_async_unit<sizeof(U)>(stage + j * lx + threadIdx.x, xg + offsets[j]);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+
+    // Reduce: thread t folds lane t % (lx * W) (one group) over elements t / (lx * W), + parts, ...
+    const uint32_t lanes = lx * W, parts = threads / lanes, lane = tid % lanes, part = tid / lanes;
+    const T* first = reinterpret_cast<const T*>(stage) + part * lanes + lane;
+    const T* end = reinterpret_cast<const T*>(stage) + size * lanes;
+    const uint32_t stride = parts * lanes;
+    float m = -CUDART_INF_F;
+    bool nan = false;
+    for (const T* p = first; p < end; p += stride) {
+        const float v = to_float(*p);
+        m = fmaxf(m, v);
+        nan |= isnan(v);
+    }
+    float s = 0.f;
+    if (m != -CUDART_INF_F)
+        for (const T* p = first; p < end; p += stride) s += __expf(to_float(*p) - m);
+    pairs[tid] = nan ? make_float2(CUDART_NAN_F, CUDART_NAN_F) : make_float2(m, s);
+    __syncthreads();
+    if (tid < lanes) {
+        Online acc;
+        for (uint32_t p = 0; p < parts; ++p) {
+            const float2 q = pairs[p * lanes + tid];
+            acc.merge(q.x, q.y);
+        }
+        // (shift, factor) such that softmax = exp(x - shift) * factor and log_softmax =
+        // x - shift - factor with no branch per element: a group of -inf gets shift 0 and
+        // factor 0 (log: +inf), a NaN group a NaN shift.
+        const bool empty = acc.m == -CUDART_INF_F;
+        const float shift = empty ? 0.f : acc.m;
+        const float factor = LOG ? (empty ? CUDART_INF_F : __logf(acc.s)) : (empty ? 0.f : 1.f / acc.s);
+        pairs[tid] = make_float2(shift, factor);
+    }
+    __syncthreads();
+
+    if (!valid) return;
+    float shift[W], factor[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        const float2 q = pairs[threadIdx.x * W + w];
+        shift[w] = q.x;
+        factor[w] = q.y;
+    }
+    T* yg = y + (xg - x);
+#pragma unroll 4
+    for (uint32_t j = threadIdx.y; j < size; j += ly) {
+        const U in = stage[j * lx + threadIdx.x];
+        U out;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            const float d = to_float(in.v[w]) - shift[w];
+            out.v[w] = from_float<T>(LOG ? d - factor[w] : __expf(d) * factor[w]);
+        }
+        store_streaming(reinterpret_cast<U*>(yg + offsets[j]), out);
+    }
+}
+
 }  // namespace
+
+// A block per contiguous row (`_row_block`), 16-byte vectors, 2 per thread.
+#define SOFTMAX_ROW_BLOCK(T, SUFFIX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(1024) softmax_row_block_vec_##SUFFIX(const T* x, T* y,   \
+                                                                                    ReduceLayout layout) { \
+        softmax_row_block<T, 16 / sizeof(T), false, fastops_constants::softmax::ROW_BLOCK_VECTORS>(x, y, layout); \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(1024) log_softmax_row_block_vec_##SUFFIX(const T* x, T* y, \
+                                                                                        ReduceLayout layout) { \
+        softmax_row_block<T, 16 / sizeof(T), true, fastops_constants::softmax::ROW_BLOCK_VECTORS>(x, y, layout); \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS)                     \
+        softmax_staged_lanes_##SUFFIX(const T* x, T* y, ReduceLayout layout) {                            \
+        softmax_staged<T, false>(x, y, layout);                                                           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::softmax::THREADS)                     \
+        log_softmax_staged_lanes_##SUFFIX(const T* x, T* y, ReduceLayout layout) {                       \
+        softmax_staged<T, true>(x, y, layout);                                                            \
+    }
+FASTOPS_FLOAT_KERNELS(SOFTMAX_ROW_BLOCK)
 
 // Every kernel in up to three forms: `name_<dtype>` moves one element per access;
 // `name_vec_<dtype>` a 16-byte vector of one group's run; `name_lanes_<dtype>` 4 elements spanning

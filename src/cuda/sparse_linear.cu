@@ -278,6 +278,18 @@ template <typename T> struct GradGroup<T, true> {
             g[0] = a.x, g[1] = a.y, g[2] = b.x, g[3] = b.y;
         }
     }
+    // The same, cached normally: the by-feature gather reads each row once per active feature.
+    static __device__ __forceinline__ void load_reused(const T* p, float (&g)[4]) {
+        if constexpr (sizeof(T) == 4) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+            g[0] = v.x, g[1] = v.y, g[2] = v.z, g[3] = v.w;
+        } else {
+            const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+            const T* halves = reinterpret_cast<const T*>(&raw);
+            const float2 a = to_float2(halves), b = to_float2(halves + 2);
+            g[0] = a.x, g[1] = a.y, g[2] = b.x, g[3] = b.y;
+        }
+    }
     static __device__ __forceinline__ void add(float* p, float v, const float (&g)[4]) {
 #if __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float4*>(p), make_float4(v * g[0], v * g[1], v * g[2], v * g[3]));
@@ -291,6 +303,7 @@ template <typename T> struct GradGroup<T, true> {
 template <typename T> struct GradGroup<T, false> {
     static constexpr int E = 1;
     static __device__ __forceinline__ void load(const T* p, float (&g)[1]) { g[0] = to_float(*p); }
+    static __device__ __forceinline__ void load_reused(const T* p, float (&g)[1]) { g[0] = to_float(__ldg(p)); }
     static __device__ __forceinline__ void add(float* p, float v, const float (&g)[1]) { atomicAdd(p, v * g[0]); }
 };
 
@@ -385,57 +398,213 @@ __device__ __forceinline__ void sparse_backward(const SparseBatch& s, const T* _
 // same on every run. The bias gradient is one more "feature" whose entries are every row, value 1.
 // pieces: [key, begin, end, scratch row or NO_SCRATCH] per piece.
 constexpr uint32_t NO_SCRATCH = 0xffffffffu;
+// A piece of a feature with several pieces that adds itself into the gradient row with atomics
+// (the GPU-sorted backward; its gradient is zeroed first).
+constexpr uint32_t ATOMIC_SLOT = 0xfffffffeu;
 
 template <typename T, bool VEC>
 __device__ __forceinline__ void gather_pieces(const uint32_t* __restrict__ pieces, uint64_t num_pieces,
                                               const uint32_t* __restrict__ rows, const float* __restrict__ values,
                                               const T* __restrict__ grad_out, const T* __restrict__ act_out,
                                               float ceiling_in, uint64_t out_dim, float* __restrict__ grad,
-                                              float* __restrict__ scratch) {
+                                              float* __restrict__ scratch, const uint32_t* __restrict__ piece_count) {
     using G = GradGroup<T, VEC>;
     constexpr int E = G::E;
-    constexpr int UNROLL = 4;
+    constexpr int UNROLL = 8;
+    // Stripes of 32 x E columns are the outer loop, as in the forward: while the grid walks the
+    // pieces of one stripe, only that stripe of the output gradient is being gathered, so it
+    // stays in L2 (the whole output gradient may not fit there).
+    constexpr uint64_t STRIPE = 32 * E;
     const int lane = threadIdx.x & 31;
     const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
     const float ceiling = to_float(from_float<T>(ceiling_in));
-    // One output-gradient group, behind the clipped ReLU when act_out is set.
-    const auto load = [&](uint64_t at, float (&g)[E]) {
-        G::load(grad_out + at, g);
-        if (act_out != nullptr) {
-            float y[E];
-            G::load(act_out + at, y);
-#pragma unroll
-            for (int e = 0; e < E; ++e) g[e] = through_clipped_relu(g[e], y[e], ceiling);
-        }
-    };
-    for (uint64_t piece = warp; piece < num_pieces; piece += warps) {
-        const uint32_t key = pieces[4 * piece], begin = pieces[4 * piece + 1], end = pieces[4 * piece + 2];
-        const uint32_t slot = pieces[4 * piece + 3];
-        float* dst = slot == NO_SCRATCH ? grad + static_cast<uint64_t>(key) * out_dim
-                                        : scratch + static_cast<uint64_t>(slot) * out_dim;
-        for (uint64_t col = static_cast<uint64_t>(lane) * E; col < out_dim; col += 32 * E) {
+    // A device-side count (the GPU-built list) bounds the host's upper bound.
+    if (piece_count != nullptr) num_pieces = min(num_pieces, static_cast<uint64_t>(*piece_count));
+    const uint64_t stripes = (out_dim + STRIPE - 1) / STRIPE;
+    for (uint64_t stripe = 0; stripe < stripes; ++stripe) {
+        const uint64_t col = stripe * STRIPE + static_cast<uint64_t>(lane) * E;
+        const bool in_range = col < out_dim;
+        for (uint64_t piece = warp; piece < num_pieces; piece += warps) {
+            const uint4 p = __ldg(reinterpret_cast<const uint4*>(pieces) + piece);
+            const uint32_t key = p.x, begin = p.y, count = p.z - p.y, slot = p.w;
+            // Lane j holds entry begin + j (a piece has at most 32 entries).
+            const uint32_t my_row = lane < count ? rows[begin + lane] : 0;
+            const float my_value = lane < count ? values[begin + lane] : 0.0f;
             float acc[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-            uint32_t i = begin;
-            for (; i + UNROLL <= end; i += UNROLL) {
-                float g[UNROLL][E];
+            for (uint32_t k = 0; k < count; k += UNROLL) {
+                float g[UNROLL][E], v[UNROLL];
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) load(static_cast<uint64_t>(rows[i + u]) * out_dim + col, g[u]);
+                for (int u = 0; u < UNROLL; ++u) {
+                    const uint32_t i = k + u;
+                    const uint32_t row = __shfl_sync(FULL_MASK, my_row, i & 31);
+                    v[u] = __shfl_sync(FULL_MASK, my_value, i & 31);
+                    if (i < count && in_range) {
+                        const uint64_t at = static_cast<uint64_t>(row) * out_dim + col;
+                        G::load_reused(grad_out + at, g[u]);
+                        if (act_out != nullptr) {
+                            float y[E];
+                            G::load_reused(act_out + at, y);
+#pragma unroll
+                            for (int e = 0; e < E; ++e) g[u][e] = through_clipped_relu(g[u][e], y[e], ceiling);
+                        }
+                    } else {
+                        v[u] = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < E; ++e) g[u][e] = 0.0f;
+                    }
+                }
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-                    for (int e = 0; e < E; ++e) acc[e] = fmaf(values[i + u], g[u][e], acc[e]);
+                    for (int e = 0; e < E; ++e) acc[e] = fmaf(v[u], g[u][e], acc[e]);
             }
-            for (; i < end; ++i) {
-                float g[E];
-                load(static_cast<uint64_t>(rows[i]) * out_dim + col, g);
+            if (!in_range) continue;
+            if (slot == ATOMIC_SLOT) {
+                G::add(grad + static_cast<uint64_t>(key) * out_dim + col, 1.0f, acc);
+            } else {
+                float* dst = slot == NO_SCRATCH ? grad + static_cast<uint64_t>(key) * out_dim
+                                                : scratch + static_cast<uint64_t>(slot) * out_dim;
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] = fmaf(values[i], g[e], acc[e]);
+                for (int e = 0; e < E; ++e) dst[col + e] = acc[e];
             }
+        }
+    }
+}
+
+// The GPU-sorted backward builds the deterministic backward's work list on the device (its
+// order within a feature follows atomics, so it is not deterministic): count each feature's
+// active slots, scan the counts into offsets and piece numbers, scatter (output-gradient row,
+// value) pairs into each feature's run, cut the runs into pieces. Keys are features
+// 0 .. num_inputs - 1 and the bias, key num_inputs, fed by every row (value 1).
+__device__ __forceinline__ void count_features(const SparseBatch& s, uint32_t* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    for (uint64_t t = warp; t < s.batch * s.perspectives; t += warps) {
+        const Task task(s, t);
+        for (uint32_t base = 0;; base += 32) {
+            const FeatureChunk chunk = load_features(s, task, base, lane);
+            if (lane < chunk.count && chunk.index >= 0) atomicAdd(counts + chunk.index, 1u);
+            if (chunk.last) break;
+        }
+    }
+}
+
+__device__ __forceinline__ void scatter_features(const SparseBatch& s, const uint32_t* __restrict__ offsets,
+                                                 uint32_t* __restrict__ cursor, uint32_t* __restrict__ rows,
+                                                 float* __restrict__ values) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    for (uint64_t t = warp; t < s.batch * s.perspectives; t += warps) {
+        const Task task(s, t);
+        const uint32_t grad_row = static_cast<uint32_t>(task.position * s.perspectives + task.half);
+        for (uint32_t base = 0;; base += 32) {
+            const FeatureChunk chunk = load_features(s, task, base, lane);
+            if (lane < chunk.count && chunk.index >= 0) {
+                const uint32_t at = atomicAdd(cursor + chunk.index, 1u);
+                rows[at] = grad_row;
+                values[at] = chunk.value;
+            }
+            if (chunk.last) break;
+        }
+        if (lane == 0) {
+            const uint32_t at = offsets[s.num_inputs] + static_cast<uint32_t>(t);
+            rows[at] = grad_row;
+            values[at] = 1.0f;
+        }
+    }
+}
+
+// One block of SCAN_THREADS: offsets (keys + 1 entries) = exclusive scan of the counts, with the
+// bias key's count `bias_count`; cursor = offsets; piece_first (keys + 1) = exclusive scan of
+// ceil(count / piece). Keys go through shared memory a tile of SCAN_THREADS x SCAN_RUN at a
+// time (loads and stores coalesced); each thread scans a run of SCAN_RUN keys of the tile.
+constexpr int SCAN_THREADS = fastops_constants::sparse_linear::SCAN_THREADS;
+constexpr int SCAN_RUN = 4;
+constexpr int SCAN_TILE = SCAN_THREADS * SCAN_RUN;
+__device__ __forceinline__ void plan_features(const uint32_t* __restrict__ counts, uint32_t keys,
+                                              uint32_t bias_count, uint32_t piece, uint32_t* __restrict__ offsets,
+                                              uint32_t* __restrict__ cursor, uint32_t* __restrict__ piece_first) {
+    __shared__ uint32_t tile_entries[SCAN_TILE], tile_pieces[SCAN_TILE];
+    __shared__ uint32_t warp_entries[SCAN_THREADS / 32], warp_pieces[SCAN_THREADS / 32];
+    const uint32_t t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    uint32_t carry_entries = 0, carry_pieces = 0;
+    for (uint32_t tile = 0; tile < keys; tile += SCAN_TILE) {
+        for (uint32_t i = t; i < SCAN_TILE; i += SCAN_THREADS) {
+            const uint32_t k = tile + i;
+            const uint32_t c = k + 1 == keys ? bias_count : (k < keys ? counts[k] : 0u);
+            tile_entries[i] = c;
+            tile_pieces[i] = (c + piece - 1) / piece;
+        }
+        __syncthreads();
+        uint32_t entries = 0, pieces = 0;
 #pragma unroll
-            for (int e = 0; e < E; ++e) dst[col + e] = acc[e];
+        for (int r = 0; r < SCAN_RUN; ++r) {
+            entries += tile_entries[t * SCAN_RUN + r];
+            pieces += tile_pieces[t * SCAN_RUN + r];
+        }
+        // Inclusive scan across the warp, then across the warps' totals.
+        uint32_t e_inc = entries, p_inc = pieces;
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const uint32_t e = __shfl_up_sync(FULL_MASK, e_inc, off), p = __shfl_up_sync(FULL_MASK, p_inc, off);
+            if (lane >= static_cast<uint32_t>(off)) e_inc += e, p_inc += p;
+        }
+        if (lane == 31) warp_entries[warp] = e_inc, warp_pieces[warp] = p_inc;
+        __syncthreads();
+        if (warp == 0) {
+            uint32_t e = warp_entries[lane], p = warp_pieces[lane];
+#pragma unroll
+            for (int off = 1; off < 32; off *= 2) {
+                const uint32_t e2 = __shfl_up_sync(FULL_MASK, e, off), p2 = __shfl_up_sync(FULL_MASK, p, off);
+                if (lane >= static_cast<uint32_t>(off)) e += e2, p += p2;
+            }
+            warp_entries[lane] = e, warp_pieces[lane] = p;
+        }
+        __syncthreads();
+        uint32_t e_at = carry_entries + e_inc - entries + (warp ? warp_entries[warp - 1] : 0);
+        uint32_t p_at = carry_pieces + p_inc - pieces + (warp ? warp_pieces[warp - 1] : 0);
+#pragma unroll
+        for (int r = 0; r < SCAN_RUN; ++r) {
+            const uint32_t i = t * SCAN_RUN + r, c = tile_entries[i], np = tile_pieces[i];
+            tile_entries[i] = e_at;
+            tile_pieces[i] = p_at;
+            e_at += c;
+            p_at += np;
+        }
+        carry_entries += warp_entries[SCAN_THREADS / 32 - 1];
+        carry_pieces += warp_pieces[SCAN_THREADS / 32 - 1];
+        __syncthreads();
+        for (uint32_t i = t; i < SCAN_TILE && tile + i < keys; i += SCAN_THREADS) {
+            offsets[tile + i] = cursor[tile + i] = tile_entries[i];
+            piece_first[tile + i] = tile_pieces[i];
+        }
+        __syncthreads();  // the next tile reuses the shared arrays
+    }
+    if (t == 0) {
+        offsets[keys] = carry_entries;
+        piece_first[keys] = carry_pieces;
+    }
+}
+
+// A warp per key writes its pieces: [key, begin, end, NO_SCRATCH (one piece: stored) or
+// ATOMIC_SLOT (several: added)].
+__device__ __forceinline__ void cut_pieces(const uint32_t* __restrict__ offsets, const uint32_t* __restrict__ piece_first,
+                                           uint32_t keys, uint32_t piece, uint32_t* __restrict__ pieces) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const uint64_t warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+    for (uint64_t k = warp; k < keys; k += warps) {
+        const uint32_t begin = offsets[k], end = offsets[k + 1], first = piece_first[k];
+        const uint32_t count = piece_first[k + 1] - first;
+        for (uint32_t j = lane; j < count; j += 32) {
+            const uint32_t b = begin + j * piece;
+            reinterpret_cast<uint4*>(pieces)[first + j] =
+                make_uint4(static_cast<uint32_t>(k), b, min(end, b + piece), count > 1 ? ATOMIC_SLOT : NO_SCRATCH);
         }
     }
 }
@@ -476,9 +645,9 @@ __device__ __forceinline__ void combine_pieces(const uint32_t* __restrict__ grou
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
         NAME##_##SUFFIX(const uint32_t* pieces, uint64_t num_pieces, const uint32_t* rows, const float* values, \
                         const T* grad_out, const T* act_out, float ceiling, uint64_t out_dim, float* grad,     \
-                        float* scratch) {                                                                      \
+                        float* scratch, const uint32_t* piece_count) {                                         \
         gather_pieces<T, VEC>(pieces, num_pieces, rows, values, grad_out, act_out, ceiling, out_dim, grad,    \
-                              scratch);                                                                        \
+                              scratch, piece_count);                                                           \
     }
 #define SPARSE_KERNELS(T, SUFFIX)                                        \
     SPARSE_GATHER(T, SUFFIX, sparse_linear_bwd_sorted_vec, true)         \
@@ -495,4 +664,25 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     sparse_linear_bwd_combine(const uint32_t* groups, uint64_t num_groups, const float* scratch, uint64_t out_dim,
                               float* grad) {
     combine_pieces(groups, num_groups, scratch, out_dim, grad);
+}
+
+// The GPU-sorted backward's list building (dtype-free: indices and values are i32 / f32).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sparse_linear_bwd_count(SPARSE_FEATURE_ARGS, uint32_t* counts) {
+    count_features(SPARSE_BATCH, counts);
+}
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+    sparse_linear_bwd_plan(const uint32_t* counts, uint32_t keys, uint32_t bias_count, uint32_t piece,
+                           uint32_t* offsets, uint32_t* cursor, uint32_t* piece_first) {
+    plan_features(counts, keys, bias_count, piece, offsets, cursor, piece_first);
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sparse_linear_bwd_scatter(SPARSE_FEATURE_ARGS, const uint32_t* offsets, uint32_t* cursor, uint32_t* rows,
+                              float* values) {
+    scatter_features(SPARSE_BATCH, offsets, cursor, rows, values);
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sparse_linear_bwd_cut(const uint32_t* offsets, const uint32_t* piece_first, uint32_t keys, uint32_t piece,
+                          uint32_t* pieces) {
+    cut_pieces(offsets, piece_first, keys, piece, pieces);
 }

@@ -66,7 +66,19 @@ enum Form {
     Lanes,
 }
 
-use crate::kernel_constants::softmax::{CACHED_ELEMENTS, CACHED_VECTORS, LANE_WIDTH, THREADS};
+use crate::kernel_constants::softmax::{
+    CACHED_ELEMENTS, CACHED_VECTORS, LANE_WIDTH, ROW_BLOCK_MAX_THREADS, ROW_BLOCK_VECTORS,
+    STAGED_BYTES, THREADS,
+};
+
+/// Contiguous rows of at least this many 16-byte vectors take a block each (`_row_block`);
+/// shorter ones share a block in the `_cached` kernel.
+const ROW_BLOCK_MIN_VECTORS: usize = 128;
+/// Bytes of one staged run: the `_staged` kernel gives each block adjacent groups whose
+/// elements span this many contiguous bytes (two sectors) per step when their shared memory
+/// allows, and at least one sector (32 bytes).
+const STAGED_RUN_BYTES: usize = 64;
+const SECTOR_BYTES: usize = 32;
 
 /// Column groups up to this size fit in the scalar kernels' registers (16 values x 8 y
 /// threads) and run faster there than in the lanes form, whose four accumulators cost four
@@ -124,6 +136,54 @@ pub(super) fn launch_softmax<T: WithDType>(
     };
     let mut layout = ReduceLayout::new(plan, if let Form::Vec(w) = form { w } else { 1 });
     let prefix = if log { "log_softmax" } else { "softmax" };
+    // SAFETY (every launch below): the arguments match the kernel's signature; every access
+    // is bounded by num_groups and group_size, whose offsets lie inside xs / ys by
+    // construction of the plan for this shape.
+    let contiguous_rows = plan.reduced_blocks().len() == 1 && inner.stride == 1;
+    if matches!(form, Form::Vec(_))
+        && contiguous_rows
+        && (ROW_BLOCK_MIN_VECTORS..=ROW_BLOCK_VECTORS * ROW_BLOCK_MAX_THREADS).contains(&size)
+    {
+        // A block per row, each thread holding ROW_BLOCK_VECTORS vectors: one read, one write,
+        // no persistent loop (a resident wave walking the rows measured 14% slower: BENCHMARKS.md).
+        let threads = size.div_ceil(ROW_BLOCK_VECTORS).next_multiple_of(32);
+        let cfg = LaunchConfig {
+            grid_dim: (groups as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "row_block_vec"])?;
+        return unsafe { kernel.launch(cfg, kernel_args!(xs, ys, &layout)) };
+    }
+    if form == Form::Lanes {
+        // Column-like groups staged in shared memory when a run of at least a sector fits.
+        let unit = LANE_WIDTH * elem;
+        // The offset table (u32: the kernel needs every element's offset from its group's
+        // first below 2^32), the staged units and the pairs.
+        let span: usize = plan
+            .reduced_blocks()
+            .iter()
+            .map(|b| (b.size - 1) * b.stride)
+            .sum();
+        let offsets_fit = span < 1 << 32;
+        let shared_bytes =
+            |lx: usize| (size * 4).next_multiple_of(16) + size * lx * unit + THREADS * 8;
+        let lx = [STAGED_RUN_BYTES / unit, SECTOR_BYTES / unit]
+            .into_iter()
+            .find(|&lx| lx >= 1 && offsets_fit && shared_bytes(lx) <= STAGED_BYTES);
+        if let Some(lx) = lx {
+            let shared = shared_bytes(lx);
+            let cfg = LaunchConfig {
+                grid_dim: (group_units.div_ceil(lx) as u32, 1, 1),
+                block_dim: (lx as u32, (THREADS / lx) as u32, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            layout.num_groups = group_units as u32;
+            let kernel = Kernel::load_typed::<T>(dev, Module::Softmax, &[prefix, "staged_lanes"])?;
+            kernel.allow_dynamic_shared(shared)?;
+            return unsafe { kernel.launch(cfg, kernel_args!(xs, ys, &layout)) };
+        }
+    }
     let variant = match form {
         Form::Vec(_) => "vec",
         Form::Lanes => "lanes",

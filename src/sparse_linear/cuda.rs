@@ -300,7 +300,31 @@ fn bad_index_error(f: &Features) -> candle_core::Error {
 /// activation), with its element offset in its buffer.
 pub(super) type ActivationOutput<'a, T> = Option<(CudaView<'a, T>, usize)>;
 
+/// The default (non-deterministic) backward: by feature (a list built on the GPU, each weight
+/// gradient row written once) when the output gradient is not masked by a fused activation,
+/// vector atomics per slot otherwise (BENCHMARKS.md, sparse_linear: the gather reads the
+/// activation beside the gradient, which costs more than the atomics it saves).
+/// `FASTOPS_SPARSE_BWD=1` forces the atomic form, `2` the gather (tuning builds).
 pub(super) fn backward<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
+    act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>,
+) -> Result<()> {
+    let entries = (f.batch * f.sides.len()).saturating_mul(f.max_active + 1);
+    let gather = match tuning("FASTOPS_SPARSE_BWD") {
+        Some(1) => false,
+        Some(2) => true,
+        _ => act_out.is_none(),
+    };
+    if gather && entries < u32::MAX as usize && f.num_inputs < u32::MAX as usize - 1 {
+        backward_by_feature(dev, f, grad_out, grad_start, act_out, grad)
+    } else {
+        backward_atomic(dev, f, grad_out, grad_start, act_out, grad)
+    }
+}
+
+/// Atomic backward: a warp per (position, perspective) adds value x output gradient into each
+/// active feature's gradient row (16-byte atomics).
+fn backward_atomic<T: WithDType + DeviceRepr>(
     dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
     act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>,
 ) -> Result<()> {
@@ -325,10 +349,118 @@ pub(super) fn backward<T: WithDType + DeviceRepr>(
     }
 }
 
+/// Backward by feature, the work list built on the GPU (see `count_features` in
+/// sparse_linear.cu): count, scan, scatter, cut, then the deterministic backward's gather, whose
+/// multi-piece features add their pieces atomically. `grad` must be zeroed. No host
+/// synchronisation: the gather's grid covers an upper bound of the pieces and reads their number
+/// on the device.
+fn backward_by_feature<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice, f: &Features, grad_out: &CudaView<'_, T>, grad_start: usize,
+    act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>,
+) -> Result<()> {
+    let tasks = f.batch * f.sides.len();
+    if tasks == 0 || f.out == 0 {
+        return Ok(());
+    }
+    let keys = f.num_inputs + 1;
+    // Every slot active, plus one bias entry per row.
+    let most_entries = tasks * (f.max_active + 1);
+    let most_pieces = most_entries.div_ceil(PIECE) + keys.min(most_entries);
+    let counts = dev.alloc_zeros::<u32>(keys)?;
+    let offsets = dev.alloc_zeros::<u32>(keys + 1)?;
+    let cursor = dev.alloc_zeros::<u32>(keys)?;
+    let piece_first = dev.alloc_zeros::<u32>(keys + 1)?;
+    // SAFETY (allocations): every element is written by the scatter / cut kernels before the
+    // gather reads it (the gather reads only pieces below the device count, and entries in
+    // their [begin, end)).
+    let rows = unsafe { dev.alloc::<u32>(most_entries.max(1))? };
+    let values = unsafe { dev.alloc::<f32>(most_entries.max(1))? };
+    let pieces = unsafe { dev.alloc::<u32>(4 * most_pieces.max(1))? };
+    let views = FeatureViews::new(f);
+    let features = FeatureArgs::new(&views)?;
+    let shape = shape(f, 0, f.out, 0, 0)?;
+    let per_task = grid_stride_config(dev, tasks as u64 * 32, THREADS, 8, 0)?;
+    let per_key = grid_stride_config(dev, keys as u64 * 32, THREADS, 8, 0)?;
+    let (keys32, bias_count, piece) = (keys as u32, tasks as u32, PIECE as u32);
+    let count = Kernel::load(dev, Module::SparseLinear, &[BWD, "count"])?;
+    let plan = Kernel::load(dev, Module::SparseLinear, &[BWD, "plan"])?;
+    let scatter = Kernel::load(dev, Module::SparseLinear, &[BWD, "scatter"])?;
+    let cut = Kernel::load(dev, Module::SparseLinear, &[BWD, "cut"])?;
+    let single_block = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (SCAN_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: each launch's arguments match its kernel (`sparse_linear_bwd_count(shape,
+    // features.., counts)`, `_plan(counts, keys, bias_count, piece, offsets, cursor,
+    // piece_first)`, `_scatter(shape, features.., offsets, cursor, rows, values)`,
+    // `_cut(offsets, piece_first, keys, piece, pieces)`); counts hold num_inputs + 1 keys,
+    // offsets / piece_first one more, rows / values every active slot plus a bias entry per
+    // task, pieces 4 x the most pieces those entries make.
+    unsafe {
+        count.launch(per_task, |args| {
+            features.push(args, &shape);
+            args.arg(&counts);
+        })?;
+        plan.launch(
+            single_block,
+            kernel_args!(
+                &counts,
+                &keys32,
+                &bias_count,
+                &piece,
+                &offsets,
+                &cursor,
+                &piece_first
+            ),
+        )?;
+        scatter.launch(per_task, |args| {
+            features.push(args, &shape);
+            args.arg(&offsets).arg(&cursor).arg(&rows).arg(&values);
+        })?;
+        cut.launch(
+            per_key,
+            kernel_args!(&offsets, &piece_first, &keys32, &piece, &pieces),
+        )?;
+    }
+    let act_start = act_out.as_ref().map_or(0, |(_, start)| *start);
+    let vec =
+        f.out.is_multiple_of(4) && grad_start.is_multiple_of(4) && act_start.is_multiple_of(4);
+    let variant = if vec { "vec" } else { "scalar" };
+    let gather = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, "sorted", variant])?;
+    let cfg = grid_stride_config(dev, most_pieces as u64 * 32, THREADS, 8, 0)?;
+    let (num_pieces, out_dim) = (most_pieces as u64, f.out as u64);
+    let ceiling = f.clip_ceiling.unwrap_or(0.0);
+    let null = 0u64;
+    // The piece count sits at piece_first[keys].
+    let piece_count = piece_first.slice(keys..);
+    // SAFETY: as in `backward_sorted`, with the pieces below the device count (piece_count)
+    // built by the kernels above; no scratch is used (multi-piece keys add atomically).
+    unsafe {
+        gather.launch(cfg, |args| {
+            args.arg(&pieces)
+                .arg(&num_pieces)
+                .arg(&rows)
+                .arg(&values)
+                .arg(grad_out);
+            match act_out {
+                Some((view, _)) => args.arg(view),
+                None => args.arg(&null),
+            };
+            args.arg(&ceiling)
+                .arg(&out_dim)
+                .arg(grad)
+                .arg(&null)
+                .arg(&piece_count);
+        })
+    }
+}
+
 /// Entries per piece of a feature's sorted run in the deterministic backward: short enough
 /// to spread a frequent feature over many warps, long enough to amortise a piece.
 const PIECE: usize = 32;
 const NO_SCRATCH: u32 = u32::MAX;
+const SCAN_THREADS: u32 = crate::kernel_constants::sparse_linear::SCAN_THREADS as u32;
 
 /// The deterministic backward's work list, built on the host: every active (feature, output
 /// gradient row, value) sorted by feature in batch order, cut into pieces.
@@ -492,7 +624,11 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
                 Some((view, _)) => args.arg(view),
                 None => args.arg(&null),
             };
-            args.arg(&ceiling).arg(&out_dim).arg(grad).arg(&scratch);
+            args.arg(&ceiling)
+                .arg(&out_dim)
+                .arg(grad)
+                .arg(&scratch)
+                .arg(&null);
         })?;
     }
     if num_groups > 0 {

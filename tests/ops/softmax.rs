@@ -279,6 +279,39 @@ fn one_read_kernels_loop_over_more_groups_than_resident_blocks() {
 }
 
 #[test]
+fn row_block_kernel_edges_and_special_rows() {
+    // Contiguous rows of 128 to 2048 16-byte vectors take a block per row on the GPU: rows that
+    // leave threads with one or no vector, both ends of the range and one past each, with a
+    // masked row, a NaN row and a partly masked row.
+    for_each_device(|dev| {
+        for dtype in float_dtypes(dev) {
+            let per_vector = 16 / dtype.size_in_bytes();
+            for (vectors, seed) in [(250, 161), (2048, 162), (2049, 163), (128, 164), (127, 165)] {
+                let cols = vectors * per_vector;
+                let mut host = to_f64(&rand_tensor(&[5, cols], 3.0, DType::F32, dev, seed)?)?;
+                for v in &mut host[cols..2 * cols] {
+                    *v = f64::NEG_INFINITY;
+                }
+                host[3 * cols + cols / 2] = f64::NAN;
+                for v in &mut host[4 * cols..4 * cols + cols / 3] {
+                    *v = f64::NEG_INFINITY;
+                }
+                let xs = Tensor::from_vec(host, (5, cols), &Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(dev)?;
+                check(&xs, &[1], &format!("rows of {cols}"))?;
+                let ys = to_f64(&softmax_dims(&xs, [1])?)?;
+                assert!(ys[cols..2 * cols].iter().all(|&v| v == 0.0), "masked row");
+                assert!(ys[3 * cols..4 * cols].iter().all(|v| v.is_nan()), "NaN row");
+                let lys = to_f64(&log_softmax_dims(&xs, [1])?)?;
+                assert!(lys[cols..2 * cols].iter().all(|&v| v == f64::NEG_INFINITY));
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
 fn lane_path_columns_of_four() {
     // Column-like groups of more than 128 elements whose lane count is a multiple of 4 take the
     // 4-groups-per-access kernels on the GPU (streamed and chunked), with masked and NaN
