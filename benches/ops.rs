@@ -592,7 +592,7 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
                     // The ordered (atomic-free) backward of deterministic mode against the default.
                     b.compare(
                         OP,
-                        &format!("{case} backward (atomic) vs deterministic"),
+                        &format!("{case} backward (default) vs deterministic"),
                         dtype,
                         Work::Bytes(bytes),
                         || {

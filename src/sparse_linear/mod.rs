@@ -5,8 +5,13 @@
 //! after it are ignored, whatever they hold. The CUDA kernels (`src/cuda/sparse_linear.cu`) give
 //! one warp a (position, perspective) and a stripe of output columns held in registers; the
 //! persistent grid walks the stripes in order so the weight rows in use stay in L2. The backward
-//! pass adds into the dense weight gradient with vector atomics (skipping zero output gradients)
-//! and sums the bias gradient per block. The CPU path runs positions in parallel forward, and
+//! pass goes by feature: four small kernels list each feature's (output-gradient row, value)
+//! pairs on the GPU (count, scan, scatter, cut into pieces of 32), then a warp per piece sums
+//! its rows' gradient stripe by stripe and writes the feature's gradient row once (features
+//! with several pieces add theirs atomically); the bias is one more feature fed by every row.
+//! Behind a fused clipped ReLU the backward instead adds into the weight gradient with vector
+//! atomics per slot, skipping zero output gradients (reading the stored output beside each
+//! gathered gradient row would cost more than the atomics save). The CPU path runs positions in parallel forward, and
 //! weight-row ranges in parallel backward (each thread owns its rows: no races, deterministic).
 
 use crate::cpu::CpuFloat;

@@ -103,6 +103,30 @@ fn softmax_past_2_31() -> Result<()> {
             &format!("softmax dim 0 col {c}"),
         );
     }
+    drop(ys);
+    // Rows of 2048: a block per row on the GPU.
+    let short = xs.reshape((rows * 32, 2048))?;
+    let ys = candle_fastops::softmax_dims(&short, [1])?;
+    for r in sampled(rows * 32) {
+        let expected = softmax_reference(&row(&short, r)?);
+        assert_close(&row(&ys, r)?, &expected, 1e-6, &format!("row block {r}"));
+    }
+    drop(ys);
+    // Column groups of 1024 x 8 lanes: staged in shared memory on the GPU.
+    let lanes = xs.reshape((rows * 8, 1024, 8))?;
+    let ys = candle_fastops::softmax_dims(&lanes, [1])?;
+    for g in sampled(rows * 8) {
+        for lane in [0, 5] {
+            let x = to_f64(&lanes.get(g)?.narrow(1, lane, 1)?.flatten_all()?)?;
+            let got = to_f64(&ys.get(g)?.narrow(1, lane, 1)?.flatten_all()?)?;
+            assert_close(
+                &got,
+                &softmax_reference(&x),
+                1e-6,
+                &format!("staged group {g} lane {lane}"),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -144,6 +168,39 @@ fn sparse_linear_past_2_31() -> Result<()> {
             &format!("sparse_linear row {r}"),
         );
     }
+    drop(ys);
+    // Backward of the sum: an output gradient of ones past 2^31 elements, so each weight
+    // gradient row is its feature's count in every column and the bias gradient the batch.
+    let (wv, bv) = (Var::from_tensor(&weight)?, Var::from_tensor(&bias)?);
+    let grads = candle_fastops::sparse_linear(&idx, None, &wv, &bv)?
+        .sum_all()?
+        .backward()?;
+    let mut counts = vec![0f64; num_inputs];
+    for i in idx
+        .flatten_all()?
+        .to_vec1::<i32>()?
+        .chunks(active)
+        .flat_map(|r| {
+            r.iter()
+                .take_while(|&&i| i >= 0)
+                .copied()
+                .collect::<Vec<_>>()
+        })
+    {
+        counts[i as usize] += 1.0;
+    }
+    let gw = to_f64(grads.get(&wv).expect("weight gradient"))?;
+    for (i, &c) in counts.iter().enumerate() {
+        let want = vec![c; out];
+        assert_close(
+            &gw[i * out..(i + 1) * out],
+            &want,
+            1e-6,
+            &format!("weight grad row {i}"),
+        );
+    }
+    let gb = to_f64(grads.get(&bv).expect("bias gradient"))?;
+    assert_close(&gb, &vec![batch as f64; out], 1e-6, "bias grad");
     Ok(())
 }
 
