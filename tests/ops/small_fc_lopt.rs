@@ -443,12 +443,12 @@ fn check_fused_against_composed(
 /// bound), in both MLP modes. The kernels are built with fast-math division and square roots,
 /// and a one-element tensor (its feature norms are x / |x|) amplifies their rounding: 2.1e-5 was
 /// seen there once, while larger tensors stay near 1e-6 (tensor cores 6.6e-7, FMAs 6.8e-7).
-fn fused_tolerance(dev: &Device, _tensor_cores: bool) -> f64 {
-    if dev.is_cuda() {
-        1e-4
-    } else {
-        2e-5
-    }
+/// The fused step's bound against the composed reference: 1e-4 relative (the optimizer's
+/// documented bound) on both devices. The CPU's two paths usually agree to ~1e-6, but the
+/// MLP can amplify their different rounding on a scalar tensor: FASTOPS_TEST_SEED=
+/// 1795554398000836156 gives 4.8e-5 on one (it failed the 2e-5 this test used to allow).
+fn fused_tolerance(_dev: &Device, _tensor_cores: bool) -> f64 {
+    1e-4
 }
 
 #[test]
