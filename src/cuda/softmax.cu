@@ -465,7 +465,7 @@ __device__ void softmax_row_block(const T* __restrict__ x, T* __restrict__ y, co
 template <int BYTES> __device__ __forceinline__ void cp_async_unit(void* dst, const void* src) {
     const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
     } else {
         static_assert(BYTES == 8 || BYTES == 4, "cp.async copies 4, 8 or 16 bytes");
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
