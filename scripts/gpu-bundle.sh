@@ -234,7 +234,7 @@ san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitiz
 # tracks which bytes kernels have written, so an uninstrumented candle kernel's output (a
 # `.contiguous()` copy, say) would read as uninitialized to ours.
 filter=()
-for k in bias_add softmax sparse_linear lopt_ masked_bmm mask_grad argmin_matmul span_matmul tile_summary attention_ adamw_; do
+for k in bias_add softmax sparse_linear lopt_ masked_bmm mask_grad argmin_matmul argmin_split span_matmul tile_summary attention_ adamw_; do
     filter+=(--kernel-name "kns=$k")
 done
 export FASTOPS_TEST_LIGHT=1

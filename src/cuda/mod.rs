@@ -34,6 +34,9 @@ pub(crate) enum Module {
     /// `src/cuda/sm90/attention.cu`: PTX for `compute_90a`, loadable on compute capability 9.0
     /// only ([`is_hopper`]).
     AttentionSm90,
+    /// `src/cuda/sm90/argmin.cu`: the Hopper argmin_matmul, loadable on compute capability 9.0
+    /// only ([`is_hopper`]).
+    ArgminSm90,
 }
 
 impl Module {
@@ -48,6 +51,7 @@ impl Module {
             Module::TileSummary => "candle_fastops_tile_summary",
             Module::Attention => "candle_fastops_attention",
             Module::AttentionSm90 => "candle_fastops_attention_sm90",
+            Module::ArgminSm90 => "candle_fastops_argmin_sm90",
         }
     }
 
@@ -62,6 +66,7 @@ impl Module {
             Module::TileSummary => entries::TILE_SUMMARY,
             Module::Attention => entries::ATTENTION,
             Module::AttentionSm90 => entries::SM90_ATTENTION,
+            Module::ArgminSm90 => entries::SM90_ARGMIN,
         }
     }
 
@@ -76,6 +81,7 @@ impl Module {
             Module::TileSummary => ptx::TILE_SUMMARY,
             Module::Attention => ptx::ATTENTION,
             Module::AttentionSm90 => ptx::SM90_ATTENTION,
+            Module::ArgminSm90 => ptx::SM90_ARGMIN,
         }
     }
 }
@@ -243,7 +249,7 @@ pub(crate) fn l2_bytes(dev: &CudaDevice) -> Result<usize> {
 }
 
 /// Whether the device is compute capability 9.0 (H100, H200), the one GPU the `compute_90a` PTX
-/// of [`Module::AttentionSm90`] loads on.
+/// of [`Module::AttentionSm90`] and [`Module::ArgminSm90`] loads on.
 pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     use driver::sys::CUdevice_attribute::{
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,

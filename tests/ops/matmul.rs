@@ -240,6 +240,65 @@ fn async_argmin_ties_and_nan_columns() -> Result<()> {
     Ok(())
 }
 
+/// f32 argmin with k-contiguous, 16-byte aligned rows of `a` and k <= 128: on compute
+/// capability 9.0 the wgmma kernels (`src/cuda/sm90/argmin.cu`, compensated and TF32 modes),
+/// elsewhere the async core. Row tiles and column tiles cut by m and n (4099 columns: the last
+/// column tile holds 3), k off the stage (67 inside rows of 68, 1 inside rows of 4, 13) and at
+/// the limit (128) and past it (132, the portable core), batched and shared `b` in both layouts,
+/// few rows (blocks split the column tiles), `centroids.t()` as k-means passes it.
+#[test]
+fn argmin_f32_tiles_views_and_modes() -> Result<()> {
+    use candle_fastops::{argmin_matmul_with, F32Matmul, MatmulOptions};
+    for_each_device(|dev| {
+        let cases: [(usize, usize, usize, usize, usize, bool); 8] = [
+            // (batch, m, k, row length of a, n, b shared)
+            (1, 257, 67, 68, 4099, true),
+            (1, 300, 128, 128, 389, true),
+            (1, 130, 1, 4, 250, true),
+            (2, 131, 13, 16, 260, false),
+            (3, 64, 64, 64, 131, true),
+            (1, 5, 40, 40, 1000, true),
+            (2, 200, 132, 132, 140, false),
+            (1, 129, 32, 36, 128, false),
+        ];
+        for (s, &(batch, m, k, row, n, shared)) in cases.iter().enumerate() {
+            let salt = 1300 + 10 * s as u64;
+            let a = rand_tensor(&[batch, m, row], 1.0, DType::F32, dev, salt)?.narrow(2, 0, k)?;
+            // b as centroids.t() ([n, k] rows) when shared, row-major [k, n] otherwise.
+            let b = if shared {
+                rand_tensor(&[n, k], 1.0, DType::F32, dev, salt + 1)?.t()?
+            } else {
+                rand_tensor(&[batch, k, n], 1.0, DType::F32, dev, salt + 1)?
+            };
+            let bias = rand_tensor(&[n], 2.0, DType::F32, dev, salt + 2)?;
+            let b_full = if shared {
+                b.unsqueeze(0)?.broadcast_as((batch, k, n))?.contiguous()?
+            } else {
+                b.clone()
+            };
+            let scores = argmin_reference(
+                &to_f64(&a)?,
+                &to_f64(&b_full)?,
+                &to_f64(&bias)?,
+                -2.0,
+                (batch, m, k, n),
+            );
+            for (mode, tol) in [
+                (F32Matmul::Compensated, 1e-5 + 2e-6 * k as f64),
+                (F32Matmul::Tf32, 4e-3 * (k as f64).sqrt() + 2e-5),
+            ] {
+                let got =
+                    argmin_matmul_with(&a, &b, Some(&bias), -2.0, &MatmulOptions::with_f32(mode))?
+                        .flatten_all()?
+                        .to_vec1::<u32>()?;
+                check_argmin(&got, &scores, tol, &format!("case {s} {mode:?}"));
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 /// Enough row tiles that the argmin kernel gives each block several column tiles, one after the
 /// other through the async core's pipeline. GPU only: the check is a plain f64 scan of
 /// 8000 x 2000 scores.

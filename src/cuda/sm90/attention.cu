@@ -22,6 +22,7 @@
 // 64 x D tile at (r / 8) * ROW_GROUP + c * 128 + (r % 8) * 16 bytes, ROW_GROUP = D / 8 * 128
 // (layouts and descriptors verified by scripts/hopper/wgmma_probe.cu).
 #include "attention_common.cuh"
+#include "wgmma.cuh"
 
 using namespace fastops;
 
@@ -39,19 +40,6 @@ template <int D> struct TileLayout {
     static constexpr int ROW_GROUP = D / 8 * 128;   // bytes between 8-row groups
     static constexpr int CHUNKS = D / 8;            // 16-byte chunks per row
 };
-
-// The shared-memory matrix descriptor of a no-swizzle operand: start address, the byte distance
-// between core matrices along K (leading) and along M / N (stride).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride) {
-    return static_cast<uint64_t>((addr >> 4) & 0x3fff) | static_cast<uint64_t>((leading >> 4) & 0x3fff) << 16 |
-           static_cast<uint64_t>((stride >> 4) & 0x3fff) << 32;
-}
-// The same for an operand in the 128-byte swizzle layout (rows of 128 bytes whose 16-byte chunks
-// are permuted by the row's index within its 8-row group, in 1024-byte aligned groups; what TMA
-// writes with CU_TENSOR_MAP_SWIZZLE_128B).
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t leading, uint32_t stride) {
-    return smem_desc(addr, leading, stride) | (1ull << 62);
-}
 
 // Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major 64 x D global
 // tile (rows row_stride elements apart) into the core-matrix layout at shared address dst; the
@@ -73,11 +61,6 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T* src, int64_t ro
                    valid ? 16 : 0);
     }
 }
-
-// Eight accumulator registers d[i] .. d[i + 7] as read-write asm operands.
-#define WG_ACC8(d, i)                                                                                                 \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),     \
-        "+f"(d[i + 7])
 
 // s (64 x 64, this thread's 32) = [accumulate ? s : 0] + A . Bᵀ over 16 of K: both operands
 // K-major in shared memory (descriptors a, b).
@@ -135,36 +118,10 @@ __device__ __forceinline__ void wgmma_tt(float (&d)[N / 2], uint64_t a, uint64_t
     }
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// Makes this thread's completed cp.async writes to shared memory visible to wgmma (async proxy).
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y) {
     uint32_t r;
     from_float2<T>(reinterpret_cast<T*>(&r), x, y);
     return r;
-}
-
-// mbarriers (shared memory, 8 bytes each) and named barriers.
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Waits until the phase of parity `parity` of the mbarrier has completed.
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT_LOOP:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_LOOP;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Arrives on the mbarrier (one of its count) and adds `bytes` to the transaction bytes it waits for.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__
@@ -191,10 +148,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;

@@ -142,6 +142,21 @@ impl ProblemArgs {
         self.a.vectorised >= needed && self.b.vectorised >= needed
     }
 
+    /// Whether `a`'s rows are k-contiguous and start on 4-element boundaries (16 bytes for
+    /// f32), inside the buffer: what the Hopper argmin's row-tile copies need.
+    pub(crate) fn a_rows_aligned(&self) -> bool {
+        self.a.mode == K_CONTIGUOUS && self.a.vectorised >= 1
+    }
+
+    /// The batch entries of `b` in memory: 1 when every batch entry shares it (batch stride 0).
+    pub(crate) fn b_entries(&self) -> usize {
+        if self.b.batch_stride == 0 {
+            1
+        } else {
+            self.batch as usize
+        }
+    }
+
     /// `a` `[batch, m, k]` times `b` `[batch, k, n]`; a broadcast `b` has batch stride 0.
     /// `a_len` / `b_len` are the element counts of the buffers the views index.
     pub(crate) fn new(a: &MatView, b: &MatView, a_len: usize, b_len: usize) -> Self {

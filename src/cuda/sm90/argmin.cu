@@ -1,0 +1,287 @@
+// argmin_matmul on Hopper (sm_90a) for f32 operands: the products on wgmma in TF32, one pass
+// (the TF32 mode) or three (the default compensated mode: big.big + big.small + small.big with
+// big = x rounded to TF32 and small = x - big, as the portable `_tf32x3` core splits them).
+// build.rs compiles this file for compute_90a only; the host picks it on compute capability 9.0
+// for f32 `a` with k-contiguous rows starting on 16-byte boundaries and k <= MAX_K, and falls
+// back to src/cuda/matmul.cu elsewhere. Same contract as the portable argmin: per row the lowest
+// ordered score scale * (a . b)[i, j] + bias[j] and its column merged into a 64-bit key with one
+// atomicMin per row and block (ties to the lowest column, NaN above every number).
+//
+// A block owns ROWS = 128 rows of a (two warpgroups of 64) and walks its column tiles of
+// COLS = 128. Its row tile is copied once into shared memory (cp.async) and split there; `b`
+// arrives already split and padded (`argmin_split_b_sm90_*`: [b batch][big, small][columns
+// rounded up to COLS][k rounded up to STAGE_K], zeros in the padding), so its stages are copied
+// without bounds tests, STAGE_K of k at a time through STAGES buffers, STAGES - 2 stages ahead. Both
+// operands are K-major in the no-swizzle core-matrix layout: the 16-byte chunk c (4 elements of
+// k) of row r of a tile with C chunks a row at (r / 8) * C * 128 + c * 128 + (r % 8) * 16 bytes.
+// A warpgroup issues m64n128k8 products (a 64-row slice of the row tile times the stage) and
+// keeps one stage's products in flight while the next is issued; at the end of a column tile it
+// waits for them and folds the tile's 64 x 128 scores into its running minima (registers).
+//
+// Accuracy: the three passes accumulate in the wgmma accumulators over all of k, whose adds
+// truncate: at most 3 k / 8 truncations of the running sum (2^-23 relative each), 5.7e-6 at
+// k = 128, the order of an f32 FMA dot product's worst case (k 2^-24).
+#include "common.cuh"
+#include "matmul_common.cuh"
+#include "wgmma.cuh"
+
+using namespace fastops;
+
+namespace {
+
+namespace AS = fastops_constants::argmin_sm90;
+constexpr int THREADS = AS::THREADS;
+constexpr int ROWS = AS::ROWS;
+constexpr int COLS = AS::COLS;
+constexpr int STAGE_K = AS::STAGE_K;
+constexpr int STAGES = AS::STAGES;
+constexpr int AHEAD = STAGES - 2;  // stages whose copies are in flight while one is multiplied
+static_assert(THREADS == 2 * 128 && ROWS == 2 * 64, "two warpgroups of 64 rows");
+static_assert(COLS == 128, "the products are m64n128k8");
+static_assert(STAGE_K % 8 == 0, "a stage is whole k8 steps");
+
+constexpr uint32_t CHUNK_BYTES = 16;                      // 4 f32 of k
+constexpr uint32_t STAGE_GROUP = STAGE_K / 4 * 128;       // bytes between 8-row groups of a stage
+constexpr uint32_t STAGE_PART = COLS * STAGE_K * 4;       // one split part of a stage
+
+// Mirrors `SplitArgs` in src/matmul/argmin/cuda.rs: the split copy of b.
+struct SplitArgs {
+    int64_t padded_k;      // k rounded up to STAGE_K
+    int64_t padded_cols;   // n rounded up to COLS
+    int64_t batch_stride;  // elements between the split copies of two batch entries (0: shared)
+};
+static_assert(sizeof(SplitArgs) == 24, "SplitArgs is mirrored by a Rust #[repr(C)] struct of 24 bytes");
+
+// x rounded to the nearest TF32 (half away from zero, by integer adds; the mma reads the top 19
+// bits), as the portable core's `Split`. PASSES == 1 leaves the low bits for the mma to drop.
+template <int PASSES> __device__ __forceinline__ uint32_t tf32_big(uint32_t x) {
+    return PASSES == 3 ? (x + 0x1000u) & 0xffffe000u : x + 0x1000u;
+}
+__device__ __forceinline__ uint32_t tf32_small(uint32_t x, uint32_t big) {
+    return __float_as_uint(__uint_as_float(x) - __uint_as_float(big));
+}
+
+// d (64 x 128, this thread's 64) = [accumulate ? d : 0] + A . Bᵀ over 8 of k: TF32 operands,
+// both K-major in shared memory (descriptors a, b).
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, "
+        "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "
+        "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40),
+          WG_ACC8(d, 48), WG_ACC8(d, 56)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The split copy of b, laid out as the main kernel's stages so that each stage is one bulk copy:
+// per batch entry, column tile, k slice of STAGE_K and part (0: big, 1: small), a block of
+// COLS x STAGE_K elements in the core-matrix layout (element (r, kk) at float
+// (r / 8) * STAGE_K * 8 + (kk / 4) * 32 + (r % 8) * 4 + kk % 4). Zeros past n and k.
+template <int PASSES>
+__device__ __forceinline__ void split_b(const float* __restrict__ b, Problem p, SplitArgs s, float* __restrict__ out) {
+    constexpr int PARTS = PASSES == 3 ? 2 : 1;
+    constexpr int BLOCK = COLS * STAGE_K;
+    const int64_t entries = p.b.batch_stride == 0 ? 1 : p.batch;
+    const int64_t slices = s.padded_k / STAGE_K;
+    const uint64_t blocks = entries * (s.padded_cols / COLS) * slices;  // (entry, column tile, slice)
+    const uint64_t total = blocks * BLOCK;
+    for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+        const uint64_t blk = i / BLOCK;
+        const int o = static_cast<int>(i % BLOCK);
+        const int r = (o / (STAGE_K * 8)) * 8 + (o % 32) / 4, kk = ((o % (STAGE_K * 8)) / 32) * 4 + o % 4;
+        const int64_t slice = blk % slices, tile_of_entry = blk / slices;
+        const int64_t ct = tile_of_entry % (s.padded_cols / COLS), entry = tile_of_entry / (s.padded_cols / COLS);
+        const int64_t j = ct * COLS + r, kidx = slice * STAGE_K + kk;
+        uint32_t x = 0;
+        if (j < p.n && kidx < p.k)
+            x = __float_as_uint(b[entry * p.b.batch_stride + j * p.b.outer_stride + kidx * p.b.k_stride]);
+        const uint32_t big = tf32_big<PASSES>(x);
+        float* dst = out + blk * (PARTS * BLOCK) + o;
+        dst[0] = __uint_as_float(big);
+        if constexpr (PASSES == 3) dst[BLOCK] = __uint_as_float(tf32_small(x, big));
+    }
+}
+
+template <int PASSES>
+__device__ __forceinline__ void argmin_sm90(const float* __restrict__ a, const float* __restrict__ b_split,
+                                            const float* __restrict__ bias, unsigned long long* __restrict__ keys,
+                                            Problem p, ArgminArgs am, SplitArgs s) {
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    const uint32_t shared = shared_address(shared_raw);
+    const int kp = static_cast<int>(s.padded_k);
+    const int chunks = kp / 4;                         // 16-byte chunks of a row of the row tile
+    const uint32_t row_group = chunks * 128;           // bytes between 8-row groups of the row tile
+    const uint32_t tile_bytes = ROWS * kp * 4;
+    const uint32_t x_big = shared, x_small = shared + tile_bytes;
+    const uint32_t stages = shared + (PASSES == 3 ? 2 : 1) * tile_bytes;
+    constexpr uint32_t STAGE_BYTES = (PASSES == 3 ? 2 : 1) * STAGE_PART;
+
+    const int64_t row_tiles = (p.m + ROWS - 1) / ROWS, col_tiles = (p.n + COLS - 1) / COLS;
+    const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
+    const int64_t row0 = tile.row_tile * ROWS;
+    const int64_t tiles = (col_tiles - tile.col_group + am.col_groups - 1) / am.col_groups;
+    const int steps_per_tile = kp / STAGE_K;
+    const int64_t total_steps = tiles * steps_per_tile;
+    // Blocks start their walk at different column tiles (by row tile), so that the blocks running
+    // at once do not all read the same stage of b from the same L2 lines.
+    const int64_t first_tile = tile.row_tile % tiles;
+    auto column_tile = [&](int64_t t) {
+        const int64_t walk = t + first_tile < tiles ? t + first_tile : t + first_tile - tiles;
+        return tile.col_group + walk * am.col_groups;
+    };
+    const int tid = threadIdx.x;
+
+    // The row tile: rows past m and k past p.k arrive as zeros.
+    {
+        const float* a_entry = a + tile.batch * p.a.batch_stride;
+        for (int i = tid; i < ROWS * chunks; i += THREADS) {
+            const int r = i / chunks, c = i % chunks;
+            const int64_t row = row0 + r;
+            const int64_t k_left = p.k - 4 * static_cast<int64_t>(c);
+            const int bytes = row < p.m && k_left > 0 ? static_cast<int>(k_left < 4 ? k_left : 4) * 4 : 0;
+            const float* src = bytes > 0 ? a_entry + row * p.a.outer_stride + 4 * c : a;
+            cp_async16(x_big + (r / 8) * row_group + c * 128 + (r % 8) * CHUNK_BYTES, src, bytes);
+        }
+        cp_async_commit();
+    }
+    // Stage `step` of the walk (column tile step / steps_per_tile, k slice step % steps_per_tile):
+    // one bulk copy by thread 0, completing on the buffer's mbarrier.
+    const uint32_t full = stages + STAGES * STAGE_BYTES;  // STAGES mbarriers
+    const float* b_entry = b_split + (p.b.batch_stride == 0 ? 0 : tile.batch * s.batch_stride);
+    auto load_stage = [&](int64_t step) {
+        if (tid == 0 && step < total_steps) {
+            const int64_t slice = (column_tile(step / steps_per_tile) * steps_per_tile + step % steps_per_tile);
+            const uint32_t bar = full + static_cast<uint32_t>(step % STAGES) * 8;
+            mbarrier_arrive_expect_tx(bar, STAGE_BYTES);
+            bulk_load(stages + static_cast<uint32_t>(step % STAGES) * STAGE_BYTES,
+                      b_entry + slice * (STAGE_BYTES / 4), STAGE_BYTES, bar);
+        }
+    };
+    if (tid == 0) {
+        for (int st = 0; st < STAGES; ++st) mbarrier_init(full + 8 * st, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    for (int step = 0; step < AHEAD; ++step) load_stage(step);
+    cp_async_wait<0>();  // the row tile
+    __syncthreads();
+    if constexpr (PASSES == 3) {
+        // Split the row tile in place (the layout does not matter: element by element).
+        for (uint32_t off = tid * 16; off < tile_bytes; off += THREADS * 16) {
+            uint4 v = *reinterpret_cast<uint4*>(shared_raw + off);
+            uint4 big, small;
+            big.x = tf32_big<3>(v.x), big.y = tf32_big<3>(v.y), big.z = tf32_big<3>(v.z), big.w = tf32_big<3>(v.w);
+            small.x = tf32_small(v.x, big.x), small.y = tf32_small(v.y, big.y);
+            small.z = tf32_small(v.z, big.z), small.w = tf32_small(v.w, big.w);
+            *reinterpret_cast<uint4*>(shared_raw + off) = big;
+            *reinterpret_cast<uint4*>(shared_raw + tile_bytes + off) = small;
+        }
+    } else {
+        for (uint32_t off = tid * 16; off < tile_bytes; off += THREADS * 16) {
+            uint4 v = *reinterpret_cast<uint4*>(shared_raw + off);
+            v.x = tf32_big<1>(v.x), v.y = tf32_big<1>(v.y), v.z = tf32_big<1>(v.z), v.w = tf32_big<1>(v.w);
+            *reinterpret_cast<uint4*>(shared_raw + off) = v;
+        }
+    }
+    fence_async_shared();  // the split's stores, before wgmma reads them (after the next barrier)
+
+    const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t a_big = x_big + wg * 8 * row_group, a_small = x_small + wg * 8 * row_group;
+    // This thread's rows (two) and running minima.
+    const int64_t rows[2] = {row0 + wg * 64 + warp * 16 + lane / 4, row0 + wg * 64 + warp * 16 + lane / 4 + 8};
+    uint32_t best_bits[2] = {~0u, ~0u}, best_col[2] = {~0u, ~0u};
+    float acc[64];
+
+    for (int64_t t = 0; t < tiles; ++t) {
+        for (int in_tile = 0; in_tile < steps_per_tile; ++in_tile) {
+            const int64_t step = t * steps_per_tile + in_tile;
+            __syncthreads();  // every product of step - 2 is done: its buffer is free
+            load_stage(step + AHEAD);
+            mbarrier_wait(full + static_cast<uint32_t>(step % STAGES) * 8, static_cast<uint32_t>(step / STAGES) & 1);
+            const uint32_t stage = stages + static_cast<uint32_t>(step % STAGES) * STAGE_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k8 = 0; k8 < STAGE_K / 8; ++k8) {
+                const uint32_t a_off = (in_tile * (STAGE_K / 4) + 2 * k8) * 128, b_off = 2 * k8 * 128;
+                const uint64_t ab = smem_desc(a_big + a_off, 128, row_group);
+                const uint64_t bb = smem_desc(stage + b_off, 128, STAGE_GROUP);
+                const int accumulate = in_tile > 0 || k8 > 0;
+                if constexpr (PASSES == 3) {
+                    const uint64_t as = smem_desc(a_small + a_off, 128, row_group);
+                    const uint64_t bs = smem_desc(stage + STAGE_PART + b_off, 128, STAGE_GROUP);
+                    wgmma_tf32(acc, as, bb, accumulate);  // small terms first
+                    wgmma_tf32(acc, ab, bs, 1);
+                    wgmma_tf32(acc, ab, bb, 1);
+                } else {
+                    wgmma_tf32(acc, ab, bb, accumulate);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous step's products: its buffer is refilled after the next barrier
+        }
+        wgmma_wait<0>();
+        // The column tile's scores into the running minima: accumulator i of this thread holds
+        // row lane / 4 + 8 ((i / 2) % 2) of the warp's 16 and column 8 (i / 4) + 2 (lane % 4) + i % 2.
+        // Per row the smallest score over the thread's 32 columns (fminf takes a number over a
+        // NaN), the first column holding it, then one compare of (ordered score, column): the
+        // lowest column wins a tie whatever the tile order. Columns past n score NaN;
+        // a thread whose first column is past n skips the tile.
+        const int64_t col0 = column_tile(t) * COLS;
+        const int64_t my_col0 = col0 + 2 * (lane % 4);
+        if (my_col0 < p.n) {
+            float cb[32];
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int64_t col = my_col0 + 8 * (j / 2) + j % 2;
+                cb[j] = col < p.n ? bias[col] + 0.0f : __int_as_float(0x7fc00000);  // -0 -> +0
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v[32];
+#pragma unroll
+                for (int j = 0; j < 32; ++j) v[j] = fmaf(am.scale, acc[4 * (j / 2) + 2 * h + j % 2], cb[j]);
+                float low = v[0];
+#pragma unroll
+                for (int j = 1; j < 32; ++j) low = fminf(low, v[j]);
+                int first = 0;
+#pragma unroll
+                for (int j = 31; j >= 0; --j) first = v[j] == low ? j : first;
+                const uint32_t bits = ordered_bits(low);
+                const uint32_t col = static_cast<uint32_t>(my_col0 + 8 * (first / 2) + first % 2);
+                if (bits < best_bits[h] || (bits == best_bits[h] && col < best_col[h])) {
+                    best_bits[h] = bits;
+                    best_col[h] = col;
+                }
+            }
+        }
+    }
+    // The four lanes of a quad hold the same rows.
+    unsigned long long* keys_b = keys + tile.batch * p.m;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        unsigned long long best = (static_cast<unsigned long long>(best_bits[h]) << 32) | best_col[h];
+        best = min_key(best, __shfl_xor_sync(0xffffffffu, best, 1));
+        best = min_key(best, __shfl_xor_sync(0xffffffffu, best, 2));
+        if (lane % 4 == 0 && rows[h] < p.m && best != ~0ull) atomicMin(keys_b + rows[h], best);
+    }
+}
+
+}  // namespace
+
+// `argmin_split_b_sm90_<mode>(b, problem, split, out)` and `argmin_matmul_sm90_<mode>(a, b_split,
+// bias, keys, problem, argmin, split)`; mode tf32x3 (compensated) or tf32.
+#define ARGMIN_SM90_KERNELS(MODE, PASSES)                                                                   \
+    extern "C" __global__ void argmin_split_b_sm90_##MODE(const float* b, Problem p, SplitArgs s, float* out) { \
+        split_b<PASSES>(b, p, s, out);                                                                       \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                 \
+        argmin_matmul_sm90_##MODE(const float* a, const float* b_split, const float* bias,                  \
+                                  unsigned long long* keys, Problem p, ArgminArgs am, SplitArgs s) {         \
+        argmin_sm90<PASSES>(a, b_split, bias, keys, p, am, s);                                               \
+    }
+
+ARGMIN_SM90_KERNELS(tf32x3, 3)
+ARGMIN_SM90_KERNELS(tf32, 1)
