@@ -32,16 +32,17 @@ pub mod matmul {
 
 /// The Hopper argmin_matmul (`src/cuda/sm90/argmin.cu`: f32 as TF32 on wgmma).
 pub mod argmin_sm90 {
-    /// Threads per block: two warpgroups of 64 rows each.
-    pub const THREADS: usize = 256;
+    /// Threads per block: a producer warpgroup (one thread of it streams `b`) and two consumer
+    /// warpgroups of 64 rows each.
+    pub const THREADS: usize = 384;
     /// Rows of `a` a block keeps in shared memory (two warpgroups of 64).
     pub const ROWS: usize = 128;
     /// Columns of a tile (the wgmma N).
     pub const COLS: usize = 128;
     /// k of one pipeline stage of `b`.
     pub const STAGE_K: usize = 16;
-    /// Pipeline stages of `b` (loads run `STAGES - 2` stages ahead; 6 fit beside a compensated
-    /// row tile at k = 128: 2 x 64 KiB + 6 x 16 KiB).
+    /// Buffers of `b` stages (6 fit beside a compensated row tile at k = 128: 2 x 64 KiB +
+    /// 6 x 16 KiB).
     pub const STAGES: usize = 6;
     /// The largest k (rounded up to `STAGE_K`) whose row tile fits in shared memory.
     pub const MAX_K: usize = 128;

@@ -7,16 +7,18 @@
 // ordered score scale * (a . b)[i, j] + bias[j] and its column merged into a 64-bit key with one
 // atomicMin per row and block (ties to the lowest column, NaN above every number).
 //
-// A block owns ROWS = 128 rows of a (two warpgroups of 64) and walks its column tiles of
-// COLS = 128. Its row tile is copied once into shared memory (cp.async) and split there; `b`
-// arrives already split and padded (`argmin_split_b_sm90_*`: [b batch][big, small][columns
-// rounded up to COLS][k rounded up to STAGE_K], zeros in the padding), so its stages are copied
-// without bounds tests, STAGE_K of k at a time through STAGES buffers, STAGES - 2 stages ahead. Both
-// operands are K-major in the no-swizzle core-matrix layout: the 16-byte chunk c (4 elements of
-// k) of row r of a tile with C chunks a row at (r / 8) * C * 128 + c * 128 + (r % 8) * 16 bytes.
-// A warpgroup issues m64n128k8 products (a 64-row slice of the row tile times the stage) and
-// keeps one stage's products in flight while the next is issued; at the end of a column tile it
-// waits for them and folds the tile's 64 x 128 scores into its running minima (registers).
+// A block owns ROWS = 128 rows of a and walks its column tiles of COLS = 128 (starting at a
+// tile that depends on the row tile, so that concurrent blocks read different parts of b). Its
+// consumer warpgroups (two, 64 rows each) copy the row tile once into shared memory (cp.async)
+// and split it there; `b` arrives already split and laid out as the stages
+// (`argmin_split_b_sm90_*`: per batch entry, column tile and STAGE_K slice of k, the big and small
+// parts of COLS x STAGE_K each, zeros past n and k), so a producer thread streams each stage with
+// one bulk copy (TMA) through STAGES buffers, on `full` / `empty` mbarriers. Both operands are
+// K-major in the no-swizzle core-matrix layout: the 16-byte chunk c (4 elements of k) of row r of
+// a tile with C chunks a row at (r / 8) * C * 128 + c * 128 + (r % 8) * 16 bytes. A consumer
+// issues m64n128k8 products (its 64 rows times the stage), keeps one stage's products in flight
+// while it issues the next, and at the end of a column tile waits for them and folds the tile's
+// 64 x 128 scores into its running minima (registers).
 //
 // Accuracy: the three passes accumulate in the wgmma accumulators over all of k, whose adds
 // truncate: at most 3 k / 8 truncations of the running sum (2^-23 relative each), 5.7e-6 at
@@ -35,8 +37,9 @@ constexpr int ROWS = AS::ROWS;
 constexpr int COLS = AS::COLS;
 constexpr int STAGE_K = AS::STAGE_K;
 constexpr int STAGES = AS::STAGES;
-constexpr int AHEAD = STAGES - 2;  // stages whose copies are in flight while one is multiplied
-static_assert(THREADS == 2 * 128 && ROWS == 2 * 64, "two warpgroups of 64 rows");
+constexpr int CONSUMERS = 2;        // warpgroups of 64 rows; warpgroup 0 produces
+constexpr int CONSUMER_BARRIER = 1;  // named barrier of the consumers' 256 threads
+static_assert(THREADS == (CONSUMERS + 1) * 128 && ROWS == CONSUMERS * 64, "a producer and two warpgroups of 64 rows");
 static_assert(COLS == 128, "the products are m64n128k8");
 static_assert(STAGE_K % 8 == 0, "a stage is whole k8 steps");
 
@@ -112,12 +115,14 @@ __device__ __forceinline__ void argmin_sm90(const float* __restrict__ a, const f
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const uint32_t shared = shared_address(shared_raw);
     const int kp = static_cast<int>(s.padded_k);
-    const int chunks = kp / 4;                         // 16-byte chunks of a row of the row tile
-    const uint32_t row_group = chunks * 128;           // bytes between 8-row groups of the row tile
+    const int chunks = kp / 4;                // 16-byte chunks of a row of the row tile
+    const uint32_t row_group = chunks * 128;  // bytes between 8-row groups of the row tile
     const uint32_t tile_bytes = ROWS * kp * 4;
     const uint32_t x_big = shared, x_small = shared + tile_bytes;
     const uint32_t stages = shared + (PASSES == 3 ? 2 : 1) * tile_bytes;
     constexpr uint32_t STAGE_BYTES = (PASSES == 3 ? 2 : 1) * STAGE_PART;
+    const uint32_t full = stages + STAGES * STAGE_BYTES;  // STAGES mbarriers: a stage has landed
+    const uint32_t empty = full + STAGES * 8;              // STAGES mbarriers: both consumers are done
 
     const int64_t row_tiles = (p.m + ROWS - 1) / ROWS, col_tiles = (p.n + COLS - 1) / COLS;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
@@ -132,12 +137,40 @@ __device__ __forceinline__ void argmin_sm90(const float* __restrict__ a, const f
         const int64_t walk = t + first_tile < tiles ? t + first_tile : t + first_tile - tiles;
         return tile.col_group + walk * am.col_groups;
     };
-    const int tid = threadIdx.x;
 
-    // The row tile: rows past m and k past p.k arrive as zeros.
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < STAGES; ++st) {
+            mbarrier_init(full + 8 * st, 1);
+            mbarrier_init(empty + 8 * st, CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // The warpgroup index, warp-uniform as far as the compiler knows (a shuffle), so that the
+    // consumers' wgmma are not on a divergent path.
+    const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+    if (warpgroup == 0) {
+        // The producer: one thread streams the walk's stages of b, one bulk copy each, into the
+        // next buffer once both consumers have released its previous stage.
+        if (threadIdx.x != 0) return;
+        const float* b_entry = b_split + (p.b.batch_stride == 0 ? 0 : tile.batch * s.batch_stride);
+        for (int64_t step = 0; step < total_steps; ++step) {
+            const uint32_t slot = static_cast<uint32_t>(step % STAGES);
+            if (step >= STAGES) mbarrier_wait(empty + 8 * slot, static_cast<uint32_t>(step / STAGES - 1) & 1);
+            const int64_t block = column_tile(step / steps_per_tile) * steps_per_tile + step % steps_per_tile;
+            mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES);
+            bulk_load(stages + slot * STAGE_BYTES, b_entry + block * (STAGE_BYTES / 4), STAGE_BYTES, full + 8 * slot);
+        }
+        return;
+    }
+
+    // The consumers: warpgroup wg multiplies rows [64 wg, 64 wg + 64) of the row tile.
+    const int tid = threadIdx.x - 128, wg = warpgroup - 1, warp = (tid % 128) / 32, lane = tid % 32;
     {
+        // The row tile: rows past m and k past p.k arrive as zeros.
         const float* a_entry = a + tile.batch * p.a.batch_stride;
-        for (int i = tid; i < ROWS * chunks; i += THREADS) {
+        for (int i = tid; i < ROWS * chunks; i += CONSUMERS * 128) {
             const int r = i / chunks, c = i % chunks;
             const int64_t row = row0 + r;
             const int64_t k_left = p.k - 4 * static_cast<int64_t>(c);
@@ -146,62 +179,48 @@ __device__ __forceinline__ void argmin_sm90(const float* __restrict__ a, const f
             cp_async16(x_big + (r / 8) * row_group + c * 128 + (r % 8) * CHUNK_BYTES, src, bytes);
         }
         cp_async_commit();
-    }
-    // Stage `step` of the walk (column tile step / steps_per_tile, k slice step % steps_per_tile):
-    // one bulk copy by thread 0, completing on the buffer's mbarrier.
-    const uint32_t full = stages + STAGES * STAGE_BYTES;  // STAGES mbarriers
-    const float* b_entry = b_split + (p.b.batch_stride == 0 ? 0 : tile.batch * s.batch_stride);
-    auto load_stage = [&](int64_t step) {
-        if (tid == 0 && step < total_steps) {
-            const int64_t slice = (column_tile(step / steps_per_tile) * steps_per_tile + step % steps_per_tile);
-            const uint32_t bar = full + static_cast<uint32_t>(step % STAGES) * 8;
-            mbarrier_arrive_expect_tx(bar, STAGE_BYTES);
-            bulk_load(stages + static_cast<uint32_t>(step % STAGES) * STAGE_BYTES,
-                      b_entry + slice * (STAGE_BYTES / 4), STAGE_BYTES, bar);
-        }
-    };
-    if (tid == 0) {
-        for (int st = 0; st < STAGES; ++st) mbarrier_init(full + 8 * st, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    for (int step = 0; step < AHEAD; ++step) load_stage(step);
-    cp_async_wait<0>();  // the row tile
-    __syncthreads();
-    if constexpr (PASSES == 3) {
-        // Split the row tile in place (the layout does not matter: element by element).
-        for (uint32_t off = tid * 16; off < tile_bytes; off += THREADS * 16) {
+        cp_async_wait<0>();
+        named_sync(CONSUMER_BARRIER, CONSUMERS * 128);
+        // Split it in place (the layout does not matter: element by element).
+        for (uint32_t off = tid * 16; off < tile_bytes; off += CONSUMERS * 128 * 16) {
             uint4 v = *reinterpret_cast<uint4*>(shared_raw + off);
-            uint4 big, small;
-            big.x = tf32_big<3>(v.x), big.y = tf32_big<3>(v.y), big.z = tf32_big<3>(v.z), big.w = tf32_big<3>(v.w);
-            small.x = tf32_small(v.x, big.x), small.y = tf32_small(v.y, big.y);
-            small.z = tf32_small(v.z, big.z), small.w = tf32_small(v.w, big.w);
+            uint4 big;
+            big.x = tf32_big<PASSES>(v.x), big.y = tf32_big<PASSES>(v.y);
+            big.z = tf32_big<PASSES>(v.z), big.w = tf32_big<PASSES>(v.w);
             *reinterpret_cast<uint4*>(shared_raw + off) = big;
-            *reinterpret_cast<uint4*>(shared_raw + tile_bytes + off) = small;
+            if constexpr (PASSES == 3) {
+                uint4 small;
+                small.x = tf32_small(v.x, big.x), small.y = tf32_small(v.y, big.y);
+                small.z = tf32_small(v.z, big.z), small.w = tf32_small(v.w, big.w);
+                *reinterpret_cast<uint4*>(shared_raw + tile_bytes + off) = small;
+            }
         }
-    } else {
-        for (uint32_t off = tid * 16; off < tile_bytes; off += THREADS * 16) {
-            uint4 v = *reinterpret_cast<uint4*>(shared_raw + off);
-            v.x = tf32_big<1>(v.x), v.y = tf32_big<1>(v.y), v.z = tf32_big<1>(v.z), v.w = tf32_big<1>(v.w);
-            *reinterpret_cast<uint4*>(shared_raw + off) = v;
-        }
+        fence_async_shared();  // the split's stores, before wgmma reads them
+        named_sync(CONSUMER_BARRIER, CONSUMERS * 128);
     }
-    fence_async_shared();  // the split's stores, before wgmma reads them (after the next barrier)
 
-    const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t a_big = x_big + wg * 8 * row_group, a_small = x_small + wg * 8 * row_group;
     // This thread's rows (two) and running minima.
     const int64_t rows[2] = {row0 + wg * 64 + warp * 16 + lane / 4, row0 + wg * 64 + warp * 16 + lane / 4 + 8};
     uint32_t best_bits[2] = {~0u, ~0u}, best_col[2] = {~0u, ~0u};
     float acc[64];
+    // Releases stage `step`'s buffer (its products are done): one arrival per warpgroup, by a
+    // predicated instruction rather than a branch (a divergent branch while products are in
+    // flight makes the compiler wait for them).
+    const uint32_t releaser = tid % 128 == 0;
+    auto release = [&](int64_t step) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                         empty + 8 * static_cast<uint32_t>(step % STAGES)),
+                     "r"(releaser)
+                     : "memory");
+    };
 
     for (int64_t t = 0; t < tiles; ++t) {
         for (int in_tile = 0; in_tile < steps_per_tile; ++in_tile) {
             const int64_t step = t * steps_per_tile + in_tile;
-            __syncthreads();  // every product of step - 2 is done: its buffer is free
-            load_stage(step + AHEAD);
-            mbarrier_wait(full + static_cast<uint32_t>(step % STAGES) * 8, static_cast<uint32_t>(step / STAGES) & 1);
-            const uint32_t stage = stages + static_cast<uint32_t>(step % STAGES) * STAGE_BYTES;
+            const uint32_t slot = static_cast<uint32_t>(step % STAGES);
+            mbarrier_wait(full + 8 * slot, static_cast<uint32_t>(step / STAGES) & 1);
+            const uint32_t stage = stages + slot * STAGE_BYTES;
             wgmma_fence();
 #pragma unroll
             for (int k8 = 0; k8 < STAGE_K / 8; ++k8) {
@@ -220,9 +239,11 @@ __device__ __forceinline__ void argmin_sm90(const float* __restrict__ a, const f
                 }
             }
             wgmma_commit();
-            wgmma_wait<1>();  // the previous step's products: its buffer is refilled after the next barrier
+            wgmma_wait<1>();  // the previous step's products
+            if (in_tile > 0) release(step - 1);
         }
         wgmma_wait<0>();
+        release((t + 1) * steps_per_tile - 1);
         // The column tile's scores into the running minima: accumulator i of this thread holds
         // row lane / 4 + 8 ((i / 2) % 2) of the warp's 16 and column 8 (i / 4) + 2 (lane % 4) + i % 2.
         // Per row the smallest score over the thread's 32 columns (fminf takes a number over a

@@ -157,10 +157,10 @@ fn launch_hopper<T: WithDType + DeviceRepr>(
     if blocks > i32::MAX as usize {
         candle_core::bail!("argmin_matmul: too many row tiles ({blocks})");
     }
-    // The row tile and the stages of each part, then one 8-byte mbarrier per stage.
+    // The row tile and the stages of each part, then two 8-byte mbarriers per stage.
     let shared = parts
         * (sm90::ROWS * padded_k * 4 + sm90::STAGES * sm90::COLS * sm90::STAGE_K * 4)
-        + 8 * sm90::STAGES;
+        + 16 * sm90::STAGES;
     let kernel = Kernel::load(dev, Module::ArgminSm90, &["argmin_matmul_sm90", variant])?;
     kernel.allow_dynamic_shared(shared)?;
     let cfg = LaunchConfig {
