@@ -5,8 +5,12 @@
 //! row, the running minimum and its column packed into one 64-bit key (order-preserving float
 //! bits, then the column), merged across blocks with one 64-bit `atomicMin` per row: the value
 //! and the index can never disagree, and ties resolve to the lowest column whatever order blocks
-//! run in. Extra device memory is 8 bytes per row. On the CPU each task multiplies a block of
-//! rows by a block of columns into a small buffer and scans it.
+//! run in. Extra device memory is 8 bytes per row. On compute capability 9.0 the f32 products
+//! (compensated and TF32 modes, `a` with 16-byte aligned k-contiguous rows, k <= 128) run on
+//! `wgmma` instead (`src/cuda/sm90/argmin.cu`): `b` is first split into TF32 parts in a padded
+//! copy laid out for bulk copies (twice `b`'s size in the compensated mode, once in TF32), then a
+//! block keeps 128 rows of `a` in shared memory and streams every column tile of that copy. On the
+//! CPU each task multiplies a block of rows by a block of columns into a small buffer and scans it.
 
 use crate::dispatch::check_float_operands;
 use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, MatmulOptions};
@@ -30,7 +34,8 @@ const OP: &str = "argmin_matmul";
 ///   f16 and bf16 run on tensor cores, exact products, f32 accumulation: native 16-bit
 ///   `mma.m16n8k16` when both operands' rows start on 8-element boundaries, as for
 ///   `centroids.t()` with `d` a multiple of 8; TF32 kernels otherwise. f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
-/// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`.
+/// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`; on compute capability
+///   9.0 with f32, also a split copy of `b` (2 x n x k floats, rounded up to tiles of 128 x 16).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
