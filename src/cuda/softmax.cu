@@ -24,6 +24,7 @@ using namespace fastops;
 namespace {
 
 using fastops_constants::softmax::MAX_BLOCKS;
+using fastops_constants::softmax::ROW_BLOCK_MAX_THREADS;
 
 // n / d and n % d for n < 2^31 with one multiply-high (Granlund & Montgomery).
 struct FastDiv {
@@ -578,11 +579,11 @@ __device__ void softmax_staged(const T* __restrict__ x, T* __restrict__ y, const
 
 // A block per contiguous row (`_row_block`), 16-byte vectors, 2 per thread.
 #define SOFTMAX_ROW_BLOCK(T, SUFFIX)                                                                      \
-    extern "C" __global__ void __launch_bounds__(1024) softmax_row_block_vec_##SUFFIX(const T* x, T* y,   \
+    extern "C" __global__ void __launch_bounds__(ROW_BLOCK_MAX_THREADS) softmax_row_block_vec_##SUFFIX(const T* x, T* y,   \
                                                                                     ReduceLayout layout) { \
         softmax_row_block<T, 16 / sizeof(T), false, fastops_constants::softmax::ROW_BLOCK_VECTORS>(x, y, layout); \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(1024) log_softmax_row_block_vec_##SUFFIX(const T* x, T* y, \
+    extern "C" __global__ void __launch_bounds__(ROW_BLOCK_MAX_THREADS) log_softmax_row_block_vec_##SUFFIX(const T* x, T* y, \
                                                                                         ReduceLayout layout) { \
         softmax_row_block<T, 16 / sizeof(T), true, fastops_constants::softmax::ROW_BLOCK_VECTORS>(x, y, layout); \
     }                                                                                                     \
