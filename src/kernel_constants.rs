@@ -39,13 +39,14 @@ pub mod argmin_sm90 {
     pub const ROWS: usize = 128;
     /// Columns of a tile (the wgmma N).
     pub const COLS: usize = 128;
-    /// k of one pipeline stage of `b`.
-    pub const STAGE_K: usize = 16;
+    /// Bytes of k in one pipeline stage of `b` (16 f32, 32 16-bit elements).
+    pub const STAGE_K_BYTES: usize = 64;
     /// Buffers of `b` stages (6 fit beside a compensated row tile at k = 128: 2 x 64 KiB +
     /// 6 x 16 KiB).
     pub const STAGES: usize = 6;
-    /// The largest k (rounded up to `STAGE_K`) whose row tile fits in shared memory.
-    pub const MAX_K: usize = 128;
+    /// The longest row of `a` (k rounded up to a stage, in bytes) whose row tile fits in shared
+    /// memory: k <= 128 in f32, 256 in f16 / bf16.
+    pub const MAX_ROW_BYTES: usize = 512;
 }
 
 /// The tile summary of a mask (empty / partial / full per tile).

@@ -423,35 +423,83 @@ fn backward_by_feature<T: WithDType + DeviceRepr>(
             kernel_args!(&offsets, &piece_first, &keys32, &piece, &pieces),
         )?;
     }
+    // The piece count sits at piece_first[keys].
+    let piece_count = piece_first.slice(keys..);
+    // SAFETY: the pieces below the device count (piece_count) were built by the kernels above
+    // from rows / values of every active slot; multi-piece keys add atomically (no scratch).
+    unsafe {
+        launch_gather(
+            dev,
+            f,
+            (grad_out, grad_start),
+            act_out,
+            grad,
+            GatherList {
+                pieces: &pieces,
+                num_pieces: most_pieces as u64,
+                rows: &rows,
+                values: &values,
+                scratch: None,
+                piece_count: Some(&piece_count),
+            },
+        )
+    }
+}
+
+/// A work list of the gather kernel (`sparse_linear_bwd_sorted_*`): pieces `[key, begin, end,
+/// scratch row or NO_SCRATCH / ATOMIC_SLOT]` over `rows` / `values`, and where the number of
+/// pieces lives when the GPU built the list (it bounds `num_pieces` on the device).
+struct GatherList<'a> {
+    pieces: &'a CudaSlice<u32>,
+    num_pieces: u64,
+    rows: &'a CudaSlice<u32>,
+    values: &'a CudaSlice<f32>,
+    scratch: Option<&'a CudaSlice<f32>>,
+    piece_count: Option<&'a CudaView<'a, u32>>,
+}
+
+/// Launches the gather of `list` (both backwards by feature: the GPU-built and the sorted one).
+///
+/// # Safety
+/// Every piece below the count lies in `rows` / `values`, its rows index `grad_out`'s (and
+/// `act_out`'s) batch x perspectives rows, its key is at most `num_inputs` (grad has
+/// `num_inputs + 1` rows) and its scratch row, if any, is inside `scratch`.
+unsafe fn launch_gather<T: WithDType + DeviceRepr>(
+    dev: &CudaDevice, f: &Features, (grad_out, grad_start): (&CudaView<'_, T>, usize),
+    act_out: &ActivationOutput<'_, T>, grad: &CudaSlice<f32>, list: GatherList<'_>,
+) -> Result<()> {
     let act_start = act_out.as_ref().map_or(0, |(_, start)| *start);
     let vec =
         f.out.is_multiple_of(4) && grad_start.is_multiple_of(4) && act_start.is_multiple_of(4);
     let variant = if vec { "vec" } else { "scalar" };
     let gather = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, "sorted", variant])?;
-    let cfg = grid_stride_config(dev, most_pieces as u64 * 32, THREADS, 8, 0)?;
-    let (num_pieces, out_dim) = (most_pieces as u64, f.out as u64);
+    let cfg = grid_stride_config(dev, list.num_pieces * 32, THREADS, 8, 0)?;
+    let out_dim = f.out as u64;
     let ceiling = f.clip_ceiling.unwrap_or(0.0);
     let null = 0u64;
-    // The piece count sits at piece_first[keys].
-    let piece_count = piece_first.slice(keys..);
-    // SAFETY: as in `backward_sorted`, with the pieces below the device count (piece_count)
-    // built by the kernels above; no scratch is used (multi-piece keys add atomically).
+    // SAFETY (the caller's contract): the arguments match `sparse_linear_bwd_sorted_*(pieces,
+    // num_pieces, rows, values, grad_out, act_out, ceiling, out_dim, grad, scratch,
+    // piece_count)`.
     unsafe {
         gather.launch(cfg, |args| {
-            args.arg(&pieces)
-                .arg(&num_pieces)
-                .arg(&rows)
-                .arg(&values)
+            args.arg(list.pieces)
+                .arg(&list.num_pieces)
+                .arg(list.rows)
+                .arg(list.values)
                 .arg(grad_out);
             match act_out {
                 Some((view, _)) => args.arg(view),
                 None => args.arg(&null),
             };
-            args.arg(&ceiling)
-                .arg(&out_dim)
-                .arg(grad)
-                .arg(&null)
-                .arg(&piece_count);
+            args.arg(&ceiling).arg(&out_dim).arg(grad);
+            match list.scratch {
+                Some(scratch) => args.arg(scratch),
+                None => args.arg(&null),
+            };
+            match list.piece_count {
+                Some(count) => args.arg(count),
+                None => args.arg(&null),
+            };
         })
     }
 }
@@ -599,38 +647,27 @@ pub(super) fn backward_sorted<T: WithDType + DeviceRepr>(
         (sorted.pieces.len() / 4) as u64,
         (sorted.groups.len() / 3) as u64,
     );
-    let out_dim = f.out as u64;
-    let act_start = act_out.as_ref().map_or(0, |(_, start)| *start);
-    let vec =
-        f.out.is_multiple_of(4) && grad_start.is_multiple_of(4) && act_start.is_multiple_of(4);
-    let variant = if vec { "vec" } else { "scalar" };
-    let ceiling = f.clip_ceiling.unwrap_or(0.0);
-    let null = 0u64;
-    let gather = Kernel::load_typed::<T>(dev, Module::SparseLinear, &[BWD, "sorted", variant])?;
-    let cfg = grid_stride_config(dev, num_pieces * 32, THREADS, 8, 0)?;
-    // SAFETY: the arguments match `sparse_linear_bwd_sorted_*(pieces, num_pieces, rows,
-    // values, grad_out, act_out, ceiling, out_dim, grad, scratch)`; every piece's [begin, end)
-    // lies in rows and values, rows index grad_out's (and act_out's, when not null) batch x
-    // perspectives rows, keys are at most num_inputs (grad has num_inputs + 1 rows) and
-    // scratch rows are below scratch_rows.
+    // SAFETY: sort_entries built the pieces from every active slot: each piece's [begin, end)
+    // lies in rows and values, rows index grad_out's batch x perspectives rows, keys are at
+    // most num_inputs and scratch rows are below scratch_rows.
     unsafe {
-        gather.launch(cfg, |args| {
-            args.arg(&pieces)
-                .arg(&num_pieces)
-                .arg(&rows)
-                .arg(&values)
-                .arg(grad_out);
-            match act_out {
-                Some((view, _)) => args.arg(view),
-                None => args.arg(&null),
-            };
-            args.arg(&ceiling)
-                .arg(&out_dim)
-                .arg(grad)
-                .arg(&scratch)
-                .arg(&null);
-        })?;
+        launch_gather(
+            dev,
+            f,
+            (grad_out, grad_start),
+            act_out,
+            grad,
+            GatherList {
+                pieces: &pieces,
+                num_pieces,
+                rows: &rows,
+                values: &values,
+                scratch: Some(&scratch),
+                piece_count: None,
+            },
+        )?;
     }
+    let out_dim = f.out as u64;
     if num_groups > 0 {
         let combine = Kernel::load(dev, Module::SparseLinear, &[BWD, "combine"])?;
         let cfg = grid_stride_config(dev, num_groups * out_dim, THREADS, 8, 0)?;

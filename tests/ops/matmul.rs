@@ -240,58 +240,69 @@ fn async_argmin_ties_and_nan_columns() -> Result<()> {
     Ok(())
 }
 
-/// f32 argmin with k-contiguous, 16-byte aligned rows of `a` and k <= 128: on compute
-/// capability 9.0 the wgmma kernels (`src/cuda/sm90/argmin.cu`, compensated and TF32 modes),
-/// elsewhere the async core. Row tiles and column tiles cut by m and n (4099 columns: the last
-/// column tile holds 3), k off the stage (67 inside rows of 68, 1 inside rows of 4, 13) and at
-/// the limit (128) and past it (132, the portable core), batched and shared `b` in both layouts,
-/// few rows (blocks split the column tiles), `centroids.t()` as k-means passes it.
+/// argmin with k-contiguous, 16-byte aligned rows of `a` and rows of at most 512 bytes: on
+/// compute capability 9.0 the wgmma kernels (`src/cuda/sm90/argmin.cu`: f32 in the compensated
+/// and TF32 modes, f16, bf16), elsewhere the async core. Row tiles and column tiles cut by m and
+/// n (4099 columns: the last column tile holds 3), k off the stage (67 inside rows of 72, 1
+/// inside rows of 8, 13, 200) and at the limits (128 for f32, 256 for 16 bits) and past them
+/// (132 and 264, the portable core), batched and shared `b` in both layouts, few rows (blocks
+/// split the column tiles), `centroids.t()` as k-means passes it.
 #[test]
-fn argmin_f32_tiles_views_and_modes() -> Result<()> {
+fn argmin_tiles_views_and_dtypes() -> Result<()> {
     use candle_fastops::{argmin_matmul_with, F32Matmul, MatmulOptions};
     for_each_device(|dev| {
-        let cases: [(usize, usize, usize, usize, usize, bool); 8] = [
+        let cases: [(usize, usize, usize, usize, usize, bool); 10] = [
             // (batch, m, k, row length of a, n, b shared)
-            (1, 257, 67, 68, 4099, true),
+            (1, 257, 67, 72, 4099, true),
             (1, 300, 128, 128, 389, true),
-            (1, 130, 1, 4, 250, true),
+            (1, 130, 1, 8, 250, true),
             (2, 131, 13, 16, 260, false),
             (3, 64, 64, 64, 131, true),
             (1, 5, 40, 40, 1000, true),
-            (2, 200, 132, 132, 140, false),
-            (1, 129, 32, 36, 128, false),
+            (2, 200, 132, 136, 140, false),
+            (1, 129, 32, 40, 128, false),
+            (1, 150, 256, 256, 300, true),
+            (2, 70, 200, 208, 264, false),
         ];
         for (s, &(batch, m, k, row, n, shared)) in cases.iter().enumerate() {
-            let salt = 1300 + 10 * s as u64;
-            let a = rand_tensor(&[batch, m, row], 1.0, DType::F32, dev, salt)?.narrow(2, 0, k)?;
-            // b as centroids.t() ([n, k] rows) when shared, row-major [k, n] otherwise.
-            let b = if shared {
-                rand_tensor(&[n, k], 1.0, DType::F32, dev, salt + 1)?.t()?
-            } else {
-                rand_tensor(&[batch, k, n], 1.0, DType::F32, dev, salt + 1)?
-            };
-            let bias = rand_tensor(&[n], 2.0, DType::F32, dev, salt + 2)?;
-            let b_full = if shared {
-                b.unsqueeze(0)?.broadcast_as((batch, k, n))?.contiguous()?
-            } else {
-                b.clone()
-            };
-            let scores = argmin_reference(
-                &to_f64(&a)?,
-                &to_f64(&b_full)?,
-                &to_f64(&bias)?,
-                -2.0,
-                (batch, m, k, n),
-            );
-            for (mode, tol) in [
-                (F32Matmul::Compensated, 1e-5 + 2e-6 * k as f64),
-                (F32Matmul::Tf32, 4e-3 * (k as f64).sqrt() + 2e-5),
-            ] {
-                let got =
-                    argmin_matmul_with(&a, &b, Some(&bias), -2.0, &MatmulOptions::with_f32(mode))?
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let salt = 1300 + 10 * s as u64;
+                let a = rand_tensor(&[batch, m, row], 1.0, dtype, dev, salt)?.narrow(2, 0, k)?;
+                // b as centroids.t() ([n, k] rows) when shared, row-major [k, n] otherwise.
+                let b = if shared {
+                    rand_tensor(&[n, k], 1.0, dtype, dev, salt + 1)?.t()?
+                } else {
+                    rand_tensor(&[batch, k, n], 1.0, dtype, dev, salt + 1)?
+                };
+                let bias = rand_tensor(&[n], 2.0, DType::F32, dev, salt + 2)?;
+                let b_full = if shared {
+                    b.unsqueeze(0)?.broadcast_as((batch, k, n))?.contiguous()?
+                } else {
+                    b.clone()
+                };
+                let scores = argmin_reference(
+                    &to_f64(&a)?,
+                    &to_f64(&b_full)?,
+                    &to_f64(&bias)?,
+                    -2.0,
+                    (batch, m, k, n),
+                );
+                // 16-bit products are exact: the same bound as the f32-accurate mode.
+                let modes: &[(F32Matmul, f64)] = if dtype == DType::F32 {
+                    &[
+                        (F32Matmul::Compensated, 1e-5 + 2e-6 * k as f64),
+                        (F32Matmul::Tf32, 4e-3 * (k as f64).sqrt() + 2e-5),
+                    ]
+                } else {
+                    &[(F32Matmul::Compensated, 1e-5 + 2e-6 * k as f64)]
+                };
+                for &(mode, tol) in modes {
+                    let options = MatmulOptions::with_f32(mode);
+                    let got = argmin_matmul_with(&a, &b, Some(&bias), -2.0, &options)?
                         .flatten_all()?
                         .to_vec1::<u32>()?;
-                check_argmin(&got, &scores, tol, &format!("case {s} {mode:?}"));
+                    check_argmin(&got, &scores, tol, &format!("case {s} {dtype:?} {mode:?}"));
+                }
             }
         }
         Ok(())

@@ -99,22 +99,35 @@ fn launch_portable<T: WithDType + DeviceRepr>(
     unsafe { product.launch(cfg, kernel_args!(a, b, bias, keys, problem, &argmin_args)) }
 }
 
-/// Whether the Hopper kernels (`src/cuda/sm90/argmin.cu`) take this call: f32 in the
-/// compensated or TF32 mode, `a`'s rows k-contiguous and 16-byte aligned, 1 <= k <= `MAX_K`, on
-/// compute capability 9.0. `FASTOPS_ARGMIN_SM90=0` turns them off (tuning builds).
+/// Whether the Hopper kernels (`src/cuda/sm90/argmin.cu`) take this call: f16 / bf16, or f32 in
+/// the compensated or TF32 mode; `a`'s rows k-contiguous and 16-byte aligned; k >= 1 and a row
+/// of at most `MAX_ROW_BYTES` (k <= 128 in f32, 256 in 16 bits); compute capability 9.0.
+/// `FASTOPS_ARGMIN_SM90=0` turns them off (tuning builds).
 fn use_hopper<T: WithDType>(
     dev: &CudaDevice, problem: &ProblemArgs, k: usize, mode: F32Matmul,
 ) -> Result<bool> {
-    Ok(T::DTYPE == DType::F32
-        && matches!(mode, F32Matmul::Compensated | F32Matmul::Tf32)
-        && (1..=sm90::MAX_K).contains(&k)
-        && problem.a_rows_aligned()
+    let elem = T::DTYPE.size_in_bytes();
+    let dtype_ok = match T::DTYPE {
+        DType::F32 => matches!(mode, F32Matmul::Compensated | F32Matmul::Tf32),
+        DType::F16 | DType::BF16 => true,
+        _ => false,
+    };
+    Ok(dtype_ok
+        && k >= 1
+        && padded_k(k, elem) * elem <= sm90::MAX_ROW_BYTES
+        && problem.a_rows_aligned(elem)
         && tuning("FASTOPS_ARGMIN_SM90") != Some(0)
         && is_hopper(dev)?)
 }
 
-/// Splits `b` into a padded TF32 copy (big, and small in the compensated mode), then runs the
-/// wgmma kernel: a block per 128 rows of `a` (or per column group of them), one atomicMin per row.
+/// k rounded up to a stage of `b` (`STAGE_K_BYTES` of elements of `elem` bytes).
+fn padded_k(k: usize, elem: usize) -> usize {
+    k.next_multiple_of(sm90::STAGE_K_BYTES / elem)
+}
+
+/// Splits `b` into a padded copy in the stage layout (f32: TF32 big, and small in the compensated
+/// mode; 16-bit: as it is), then runs the wgmma kernel: a block per 128 rows of `a` (or per
+/// column group of them), one atomicMin per row.
 #[allow(clippy::too_many_arguments)]
 fn launch_hopper<T: WithDType + DeviceRepr>(
     dev: &CudaDevice, a: &CudaView<'_, T>, b: &CudaView<'_, T>, bias: &CudaView<'_, f32>,
@@ -122,16 +135,14 @@ fn launch_hopper<T: WithDType + DeviceRepr>(
     scale: f32,
 ) -> Result<()> {
     let (batch, m, n, k) = (av.batch, av.rows, bv.cols, av.cols);
-    let variant = if mode == F32Matmul::Tf32 {
-        "tf32"
-    } else {
-        "tf32x3"
+    let (variant, parts) = match (T::DTYPE, mode) {
+        (DType::F16, _) => ("f16", 1),
+        (DType::BF16, _) => ("bf16", 1),
+        (_, F32Matmul::Tf32) => ("tf32", 1),
+        _ => ("tf32x3", 2),
     };
-    let parts = if mode == F32Matmul::Tf32 { 1 } else { 2 };
-    let (padded_k, padded_cols) = (
-        k.next_multiple_of(sm90::STAGE_K),
-        n.next_multiple_of(sm90::COLS),
-    );
+    let elem = T::DTYPE.size_in_bytes();
+    let (padded_k, padded_cols) = (padded_k(k, elem), n.next_multiple_of(sm90::COLS));
     let part = padded_cols * padded_k;
     let split_args = SplitArgs {
         padded_k: padded_k as i64,
@@ -141,11 +152,11 @@ fn launch_hopper<T: WithDType + DeviceRepr>(
     let entries = problem.b_entries();
     // SAFETY: the split kernel writes every element (entries x parts x part), laid out as the
     // main kernel's stages.
-    let split = unsafe { dev.alloc::<f32>(entries * parts * part)? };
+    let split = unsafe { dev.alloc::<T>(entries * parts * part)? };
     let split_kernel = Kernel::load(dev, Module::ArgminSm90, &["argmin_split_b_sm90", variant])?;
     let cfg = grid_stride_config(dev, (entries * part) as u64, 256, 8, 0)?;
     // SAFETY: `argmin_split_b_sm90_*(b, problem, split_args, out)`: b is read at the problem's
-    // strides inside its view, out holds entries x parts x padded_cols x padded_k floats.
+    // strides inside its view, out holds entries x parts x padded_cols x padded_k elements.
     unsafe {
         split_kernel.launch(cfg, kernel_args!(b, problem, &split_args, &split))?;
     }
@@ -159,7 +170,7 @@ fn launch_hopper<T: WithDType + DeviceRepr>(
     }
     // The row tile and the stages of each part, then two 8-byte mbarriers per stage.
     let shared = parts
-        * (sm90::ROWS * padded_k * 4 + sm90::STAGES * sm90::COLS * sm90::STAGE_K * 4)
+        * (sm90::ROWS * padded_k * elem + sm90::STAGES * sm90::COLS * sm90::STAGE_K_BYTES)
         + 16 * sm90::STAGES;
     let kernel = Kernel::load(dev, Module::ArgminSm90, &["argmin_matmul_sm90", variant])?;
     kernel.allow_dynamic_shared(shared)?;

@@ -5,12 +5,13 @@
 //! row, the running minimum and its column packed into one 64-bit key (order-preserving float
 //! bits, then the column), merged across blocks with one 64-bit `atomicMin` per row: the value
 //! and the index can never disagree, and ties resolve to the lowest column whatever order blocks
-//! run in. Extra device memory is 8 bytes per row. On compute capability 9.0 the f32 products
-//! (compensated and TF32 modes, `a` with 16-byte aligned k-contiguous rows, k <= 128) run on
-//! `wgmma` instead (`src/cuda/sm90/argmin.cu`): `b` is first split into TF32 parts in a padded
-//! copy laid out for bulk copies (twice `b`'s size in the compensated mode, once in TF32), then a
-//! block keeps 128 rows of `a` in shared memory and streams every column tile of that copy. On the
-//! CPU each task multiplies a block of rows by a block of columns into a small buffer and scans it.
+//! run in. Extra device memory is 8 bytes per row. On compute capability 9.0 the products run on
+//! `wgmma` instead (`src/cuda/sm90/argmin.cu`) when `a`'s rows are k-contiguous, 16-byte aligned
+//! and at most 512 bytes long (k <= 128 in f32, 256 in f16 / bf16; f32 in the compensated or TF32
+//! mode): `b` is first copied (f32: split into TF32 parts) into a padded buffer laid out for bulk
+//! copies (twice `b`'s size in the compensated mode, once otherwise), then a block keeps 128 rows
+//! of `a` in shared memory and streams every column tile of that copy. On the CPU each task
+//! multiplies a block of rows by a block of columns into a small buffer and scans it.
 
 use crate::dispatch::check_float_operands;
 use crate::matmul::core::{cpu_block_product, CpuGemm, F32Matmul, MatView, MatmulOptions};
@@ -26,16 +27,20 @@ const OP: &str = "argmin_matmul";
 /// * `col_bias`: optional `[n]` (any float dtype; used in f32). `scale` is applied in f32.
 /// * Ties go to the lowest `j`, deterministically on every device. `-0.0` equals `0.0`; a NaN
 ///   score counts as larger than every number (a row of NaN scores gets index 0).
-/// * `b` may be a transposed view (`centroids.t()`): read in place, never copied. Leading dims
+/// * `b` may be a transposed view (`centroids.t()`): read in place (the Hopper kernels copy it
+///   once per call into their layout, see the module docs), never made contiguous. Leading dims
 ///   of `a` that do not collapse into one stride are copied.
 /// * dtypes: f32 on CUDA as [`crate::set_f32_matmul`] says: by default f32-accurate
 ///   error-compensated tensor-core products ([`crate::F32Matmul::Compensated`], three TF32 passes,
 ///   when rows start on 4-element boundaries; f32 FMAs otherwise), or plain f32 FMAs, or TF32.
 ///   f16 and bf16 run on tensor cores, exact products, f32 accumulation: native 16-bit
 ///   `mma.m16n8k16` when both operands' rows start on 8-element boundaries, as for
-///   `centroids.t()` with `d` a multiple of 8; TF32 kernels otherwise. f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
+///   `centroids.t()` with `d` a multiple of 8; TF32 kernels otherwise. On compute capability 9.0
+///   the Hopper kernels (`wgmma`) take every dtype when `a`'s rows allow (see the module docs).
+///   f64 on the CPU. `n` must be at least 1; `m = 0` gives an empty result, `k = 0` a zero product.
 /// * Extra memory: O(m) on CUDA (one 8-byte key per row), never `m x n`; on compute capability
-///   9.0 with f32, also a split copy of `b` (2 x n x k floats, rounded up to tiles of 128 x 16).
+///   9.0, also a copy of `b` padded to tiles of 128 columns x 64 bytes of k (two copies, the TF32
+///   parts, for f32 in the compensated mode).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -142,10 +142,11 @@ impl ProblemArgs {
         self.a.vectorised >= needed && self.b.vectorised >= needed
     }
 
-    /// Whether `a`'s rows are k-contiguous and start on 4-element boundaries (16 bytes for
-    /// f32), inside the buffer: what the Hopper argmin's row-tile copies need.
-    pub(crate) fn a_rows_aligned(&self) -> bool {
-        self.a.mode == K_CONTIGUOUS && self.a.vectorised >= 1
+    /// Whether `a`'s rows are k-contiguous and start on 16-byte boundaries for elements of
+    /// `elem_bytes` (4 or 2), inside the buffer: what the Hopper argmin's row-tile copies need.
+    pub(crate) fn a_rows_aligned(&self, elem_bytes: usize) -> bool {
+        let needed = if elem_bytes == 4 { 1 } else { 2 };
+        self.a.mode == K_CONTIGUOUS && self.a.vectorised >= needed
     }
 
     /// The batch entries of `b` in memory: 1 when every batch entry shares it (batch stride 0).
