@@ -167,6 +167,10 @@ __device__ __forceinline__ void argmin_sm90(const T* __restrict__ a, const T* __
     constexpr uint32_t STAGE_BYTES = (PASSES == 3 ? 2 : 1) * STAGE_PART;
     const uint32_t full = stages + STAGES * STAGE_BYTES;  // STAGES mbarriers: a stage has landed
     const uint32_t empty = full + STAGES * 8;              // STAGES mbarriers: both consumers are done
+    // A launch with less shared memory than this layout needs is a host bug: stop, never overrun.
+    uint32_t launched_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(launched_bytes));
+    if (empty + STAGES * 8 - shared > launched_bytes) __trap();
 
     const int64_t row_tiles = (p.m + ROWS - 1) / ROWS, col_tiles = (p.n + COLS - 1) / COLS;
     const TileIndex tile(blockIdx.x, row_tiles, am.col_groups);
@@ -303,11 +307,13 @@ __device__ __forceinline__ void argmin_sm90(const T* __restrict__ a, const T* __
         const int64_t col0 = column_tile(t) * COLS;
         const int64_t my_col0 = col0 + 2 * (lane % 4);
         if (my_col0 < p.n) {
+            const float* tile_bias = bias + my_col0;
+            const int64_t cols_left = p.n - my_col0;
             float cb[32];
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
-                const int64_t col = my_col0 + 8 * (j / 2) + j % 2;
-                cb[j] = col < p.n ? bias[col] + 0.0f : __int_as_float(0x7fc00000);  // -0 -> +0
+                const int off = 8 * (j / 2) + j % 2;
+                cb[j] = off < cols_left ? tile_bias[off] + 0.0f : __int_as_float(0x7fc00000);  // -0 -> +0
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -317,14 +323,18 @@ __device__ __forceinline__ void argmin_sm90(const T* __restrict__ a, const T* __
                 float low = v[0];
 #pragma unroll
                 for (int j = 1; j < 32; ++j) low = fminf(low, v[j]);
-                int first = 0;
-#pragma unroll
-                for (int j = 31; j >= 0; --j) first = v[j] == low ? j : first;
                 const uint32_t bits = ordered_bits(low);
-                const uint32_t col = static_cast<uint32_t>(my_col0 + 8 * (first / 2) + first % 2);
-                if (bits < best_bits[h] || (bits == best_bits[h] && col < best_col[h])) {
-                    best_bits[h] = bits;
-                    best_col[h] = col;
+                // Most tiles do not reach the running minimum: only those that do (or tie it)
+                // look for the column.
+                if (bits <= best_bits[h]) {
+                    int first = 0;
+#pragma unroll
+                    for (int j = 31; j >= 0; --j) first = v[j] == low ? j : first;
+                    const uint32_t col = static_cast<uint32_t>(my_col0 + 8 * (first / 2) + first % 2);
+                    if (bits < best_bits[h] || col < best_col[h]) {
+                        best_bits[h] = bits;
+                        best_col[h] = col;
+                    }
                 }
             }
         }
