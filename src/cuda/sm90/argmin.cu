@@ -11,15 +11,15 @@
 // A block owns ROWS = 128 rows of a and walks its column tiles of COLS = 128 (starting at a
 // tile that depends on the row tile, so that concurrent blocks read different parts of b). Its
 // consumer warpgroups (two, 64 rows each) copy the row tile once into shared memory (cp.async)
-// and split it there; `b` arrives already split and laid out as the stages
-// (`argmin_split_b_sm90_*`: per batch entry, column tile and STAGE_K slice of k, the big and small
-// parts of COLS x STAGE_K each, zeros past n and k), so a producer thread streams each stage with
+// and, for f32, split it there; `b` arrives already copied (f32: split) and laid out as the
+// stages (`argmin_split_b_sm90_*`: per batch entry, column tile and slice of STAGE_K_BYTES of k,
+// the parts of COLS rows each, zeros past n and k), so a producer thread streams each stage with
 // one bulk copy (TMA) through STAGES buffers, on `full` / `empty` mbarriers. Both operands are
-// K-major in the no-swizzle core-matrix layout: the 16-byte chunk c (4 elements of k) of row r of
-// a tile with C chunks a row at (r / 8) * C * 128 + c * 128 + (r % 8) * 16 bytes. A consumer
-// issues m64n128k8 products (its 64 rows times the stage), keeps one stage's products in flight
-// while it issues the next, and at the end of a column tile waits for them and folds the tile's
-// 64 x 128 scores into its running minima (registers).
+// K-major in the no-swizzle core-matrix layout: the 16-byte chunk c of k of row r of a tile with
+// C chunks a row at (r / 8) * C * 128 + c * 128 + (r % 8) * 16 bytes. A consumer issues m64n128
+// products of 32 bytes of k (k8 in TF32, k16 in 16 bits; its 64 rows times the stage), keeps one
+// stage's products in flight while it issues the next, and at the end of a column tile waits for
+// them and folds the tile's 64 x 128 scores into its running minima (registers).
 //
 // Accuracy: the three passes accumulate in the wgmma accumulators over all of k, whose adds
 // truncate: at most 3 k / 8 truncations of the running sum (2^-23 relative each), 5.7e-6 at
