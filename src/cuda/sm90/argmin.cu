@@ -74,43 +74,32 @@ __device__ __forceinline__ uint32_t tf32_small(uint32_t x, uint32_t big) {
     return __float_as_uint(__uint_as_float(x) - __uint_as_float(big));
 }
 
-// d (64 x 128, this thread's 64) = [accumulate ? d : 0] + A . Bᵀ over 8 of k: TF32 operands,
-// both K-major in shared memory (descriptors a, b).
+// d (64 x 128, this thread's 64) = [accumulate ? d : 0] + A . Bᵀ over 32 bytes of k, both
+// operands K-major in shared memory (descriptors a, b): SHAPE_TYPES names the instruction's shape
+// and operand types, TAIL its trailing immediates (the 16-bit forms take two transpose flags).
+#define WGMMA_M64N128_SS(SHAPE_TYPES, TAIL)                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                  \
+                 "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "  \
+                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, "  \
+                 "%29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "   \
+                 "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, "  \
+                 "%65, p, 1, 1" TAIL ";\n}\n"                                                                  \
+                 : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32),               \
+                   WG_ACC8(d, 40), WG_ACC8(d, 48), WG_ACC8(d, 56)                                              \
+                 : "l"(a), "l"(b), "r"(accumulate))
+
+// TF32 operands: 8 of k.
 __device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, "
-        "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "
-        "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-        : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40),
-          WG_ACC8(d, 48), WG_ACC8(d, 56)
-        : "l"(a), "l"(b), "r"(accumulate));
+    WGMMA_M64N128_SS("m64n128k8.f32.tf32.tf32", "");
 }
 
-// The same for 16-bit operands over 16 of k.
+// 16-bit operands: 16 of k.
 template <typename T>
 __device__ __forceinline__ void wgmma_16bit(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
     if constexpr (std::is_same_v<T, __half>) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, "
-            "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "
-            "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40),
-              WG_ACC8(d, 48), WG_ACC8(d, 56)
-            : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_M64N128_SS("m64n128k16.f32.f16.f16", ", 0, 0");
     } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, "
-            "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "
-            "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24), WG_ACC8(d, 32), WG_ACC8(d, 40),
-              WG_ACC8(d, 48), WG_ACC8(d, 56)
-            : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_M64N128_SS("m64n128k16.f32.bf16.bf16", ", 0, 0");
     }
 }
 

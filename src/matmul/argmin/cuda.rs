@@ -54,10 +54,21 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let problem = ProblemArgs::new(av, bv, a.len(), b.len());
     let a = a.slice(av.start..);
     let b = b.slice(bv.start..);
+    let call = ArgminCall {
+        a: &a,
+        b: &b,
+        bias,
+        keys: &keys,
+        problem: &problem,
+        av,
+        bv,
+        mode,
+        scale,
+    };
     if use_hopper::<T>(dev, &problem, av.cols, mode)? {
-        launch_hopper(dev, &a, &b, bias, &keys, &problem, (av, bv), mode, scale)?;
+        launch_hopper(dev, &call)?;
     } else {
-        launch_portable(dev, &a, &b, bias, &keys, &problem, (av, bv), mode, scale)?;
+        launch_portable(dev, &call)?;
     }
     let rows64 = rows as u64;
     let cfg = grid_stride_config(dev, rows64, 256, 4, 0)?;
@@ -69,18 +80,40 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
+/// One call's operands (views from their starts), its key buffer and its arguments, as both
+/// product launches take them.
+struct ArgminCall<'a, T> {
+    a: &'a CudaView<'a, T>,
+    b: &'a CudaView<'a, T>,
+    bias: &'a CudaView<'a, f32>,
+    keys: &'a CudaSlice<u64>,
+    problem: &'a ProblemArgs,
+    av: &'a MatView,
+    bv: &'a MatView,
+    mode: F32Matmul,
+    scale: f32,
+}
+
 /// Column groups (blocks sharing a row tile, each taking every `col_groups`-th column tile) for
 /// `wanted` blocks over `row_tiles` row tiles of each batch entry.
 fn col_groups(wanted: usize, batch: usize, row_tiles: usize, col_tiles: usize) -> usize {
     wanted.div_ceil(batch * row_tiles).clamp(1, col_tiles)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn launch_portable<T: WithDType + DeviceRepr>(
-    dev: &CudaDevice, a: &CudaView<'_, T>, b: &CudaView<'_, T>, bias: &CudaView<'_, f32>,
-    keys: &CudaSlice<u64>, problem: &ProblemArgs, (av, bv): (&MatView, &MatView), mode: F32Matmul,
-    scale: f32,
+    dev: &CudaDevice, call: &ArgminCall<'_, T>,
 ) -> Result<()> {
+    let ArgminCall {
+        a,
+        b,
+        bias,
+        keys,
+        problem,
+        av,
+        bv,
+        mode,
+        scale,
+    } = *call;
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
     let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
     // Enough blocks for four waves: split the column tiles of each row tile between blocks
@@ -128,12 +161,20 @@ fn padded_k(k: usize, elem: usize) -> usize {
 /// Splits `b` into a padded copy in the stage layout (f32: TF32 big, and small in the compensated
 /// mode; 16-bit: as it is), then runs the wgmma kernel: a block per 128 rows of `a` (or per
 /// column group of them), one atomicMin per row.
-#[allow(clippy::too_many_arguments)]
 fn launch_hopper<T: WithDType + DeviceRepr>(
-    dev: &CudaDevice, a: &CudaView<'_, T>, b: &CudaView<'_, T>, bias: &CudaView<'_, f32>,
-    keys: &CudaSlice<u64>, problem: &ProblemArgs, (av, bv): (&MatView, &MatView), mode: F32Matmul,
-    scale: f32,
+    dev: &CudaDevice, call: &ArgminCall<'_, T>,
 ) -> Result<()> {
+    let ArgminCall {
+        a,
+        b,
+        bias,
+        keys,
+        problem,
+        av,
+        bv,
+        mode,
+        scale,
+    } = *call;
     let (batch, m, n, k) = (av.batch, av.rows, bv.cols, av.cols);
     let (variant, parts) = match (T::DTYPE, mode) {
         (DType::F16, _) => ("f16", 1),
