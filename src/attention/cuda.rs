@@ -711,8 +711,10 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let (k_ptr, _k_read) = kv.device_ptr(&stream);
     let (v_ptr, _v_read) = vv.device_ptr(&stream);
     let (g_ptr, _g_read) = gv.device_ptr(&stream);
+    // (The kernel walks (query head of the group, query tile) items in 32-bit integers.)
+    let items = (p.heads / p.kv_heads) * p.m.div_ceil(TILE_Q);
     let hopper = match path.hopper_forward(dev)? {
-        Some(head_tile) if !p.deterministic => {
+        Some(head_tile) if !p.deterministic && items <= i32::MAX as usize => {
             let (q_dims, kv_dims) = ([p.batch, p.heads, p.m], [p.batch, p.kv_heads, p.n]);
             let grad_strides = [p.heads * p.m * p.dv, p.m * p.dv, p.dv];
             let maps = [

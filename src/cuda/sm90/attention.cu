@@ -436,7 +436,7 @@ constexpr int BWD_THREADS = 128 * BWD_WARPGROUPS, BWD_KEYS = 64 * BWD_WARPGROUPS
 
 template <int D> struct BackwardLayout {
     static constexpr int STAGES = D == 64 ? AC::HOPPER_BWD_STAGES_D64 : AC::HOPPER_BWD_STAGES_D128;
-    static_assert(8 * (2 * STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
+    static_assert(8 * (STAGES + 1) + 4 * STAGES <= BARRIER_BYTES, "the mbarriers and counters fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
     // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile;
     // then per warpgroup a dSᵀ tile (64 x 64), two buffers (alternate items) of the 64
@@ -516,7 +516,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     constexpr int STAGES = L::STAGES, BYTES = L::BYTES, DQ_COLS = D / BWD_WARPGROUPS;
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const uint32_t base = shared_address(shared_raw);
-    const uint32_t kv_bar = base, full_bar = base + 8, empty_bar = full_bar + 8 * STAGES;
+    const uint32_t kv_bar = base, full_bar = base + 8, released = full_bar + 8 * STAGES;
     // This warpgroup's statistics: [2][lse2 64, delta 64].
     float* stats = reinterpret_cast<float*>(shared_raw + L::STATS + (threadIdx.x / 128) * L::STATS_BYTES);
     // The warpgroup and warp indices through a shuffle: the compiler then keeps what derives from
@@ -533,38 +533,53 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kb * BWD_KEYS;
     const int64_t kt = 2 * kb + wg;  // this warpgroup's key tile
     const MaskView mask{a, states, dense, ids, b};
-    // Items: (query head - h0) * row_tiles + query tile, in order, those with a non-empty tile.
-    const int64_t end = group * a.row_tiles;
-    int64_t qt_first, qt_last;  // generated masks: the query tiles that may see the block's keys
-    mask.query_tiles_of(j0, j0 + BWD_KEYS - 1, qt_first, qt_last);
+    // Items: (query head h0 + head, query tile qt), head by head, those whose mask tile is not
+    // empty for either key tile of the block; head == group past the last. In 32 bits and without
+    // divisions on the generated masks' walk (the host keeps group * row_tiles below 2^31).
+    struct Item {
+        int head, qt;
+    };
+    const int groups = static_cast<int>(group), row_tiles = static_cast<int>(a.row_tiles);
+    const Item done{groups, 0};
+    int qt_first, qt_last;  // generated masks: the query tiles that may see the block's keys
+    {
+        int64_t first, last;
+        mask.query_tiles_of(j0, j0 + BWD_KEYS - 1, first, last);
+        qt_first = static_cast<int>(first);
+        qt_last = static_cast<int>(last);
+    }
     auto state_of = [&](int64_t h, int64_t qt, int64_t tile) {
         return tile < a.col_tiles ? mask.tile_state(h, qt, tile) : TILE_EMPTY;
     };
-    auto live = [&](int64_t item) {
-        const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles;
-        return state_of(h, qt, 2 * kb) != TILE_EMPTY || state_of(h, qt, 2 * kb + 1) != TILE_EMPTY;
+    auto live = [&](int head, int qt) {
+        return state_of(h0 + head, qt, 2 * kb) != TILE_EMPTY || state_of(h0 + head, qt, 2 * kb + 1) != TILE_EMPTY;
     };
-    // The first live item after `item` (end when none); every thread of a warp calls it alike.
-    auto next = [&](int64_t item) -> int64_t {
+    // The first live item after `it` (done when none); every thread of a warp calls it alike.
+    auto next = [&](Item it) -> Item {
         if constexpr (GENERATED) {
-            if (qt_first > qt_last || item >= end) return end;
-            int64_t head = item < 0 ? 0 : item / a.row_tiles, qt = item < 0 ? qt_first - 1 : item % a.row_tiles;
+            if (qt_first > qt_last) return done;
             for (;;) {
-                if (++qt > qt_last) {
-                    ++head;
-                    qt = qt_first;
+                if (++it.qt > qt_last) {
+                    ++it.head;
+                    it.qt = qt_first;
                 }
-                if (head >= group) return end;
-                if (live(head * a.row_tiles + qt)) return head * a.row_tiles + qt;
+                if (it.head >= groups) return done;
+                if (live(it.head, it.qt)) return it;
             }
         } else {
-            return next_live(item, end, live);
+            const int end = groups * row_tiles;
+            const int found = static_cast<int>(next_live(it.head * row_tiles + it.qt, end, [&](int64_t c) {
+                const unsigned candidate = static_cast<unsigned>(c);
+                return live(static_cast<int>(candidate / row_tiles), static_cast<int>(candidate % row_tiles));
+            }));
+            return found >= end ? done : Item{found / row_tiles, found % row_tiles};
         }
     };
+    const Item before_first{0, GENERATED ? qt_first - 1 : -1};  // next(before_first) is the first item
     // Thread 0: the copies of an item's Q and dO tiles into `stage`.
-    auto issue = [&](int64_t item, int stage) {
+    auto issue = [&](Item it, int stage) {
         const uint32_t sq = base + L::STAGE0 + stage * 2 * BYTES, bar = full_bar + 8 * stage;
-        const int head = static_cast<int>(h0 + item / a.row_tiles), row = static_cast<int>((item % a.row_tiles) * BQ);
+        const int head = static_cast<int>(h0) + it.head, row = it.qt * BQ;
         mbarrier_arrive_expect_tx(bar, 2 * BYTES);
 #pragma unroll
         for (int half = 0; half < D / 64; ++half) {
@@ -574,13 +589,13 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     };
     // Threads 0 .. 63 of a warpgroup: query row wtid of an item's log-sum-exp (log2 units; +inf where the row
     // sees no key or lies past m, so that its probabilities are 0) and delta.
-    auto load_stats = [&](int64_t item, float& lse2, float& row_delta) {
+    auto load_stats = [&](Item it, float& lse2, float& row_delta) {
         lse2 = INFINITY;
         row_delta = 0.f;
-        if (item >= end) return;
-        const int64_t row = (item % a.row_tiles) * BQ + wtid;
+        if (it.head >= groups) return;
+        const int64_t row = static_cast<int64_t>(it.qt) * BQ + wtid;
         if (row >= a.m) return;
-        const int64_t at = (b * a.heads + h0 + item / a.row_tiles) * a.m + row;
+        const int64_t at = (b * a.heads + h0 + it.head) * a.m + row;
         const float l = lse[at];
         lse2 = l == -INFINITY ? INFINITY : l * LOG2E;
         row_delta = delta[at];
@@ -591,14 +606,15 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         mbarrier_init(kv_bar, 1);
         for (int st = 0; st < STAGES; ++st) {
             mbarrier_init(full_bar + 8 * st, 1);
-            mbarrier_init(empty_bar + 8 * st, BWD_WARPGROUPS * 4);  // lane 0 of every warp
+            st_shared_u32(released + 4 * st, 0);
         }
     }
     __syncthreads();
-    int64_t item = next(-1);
-    int64_t ahead = item;  // warp 0: the next item to copy
-    if (tid < 32 && item < end) {
-        if (lane == 0) {
+    Item item = next(before_first);
+    const bool any_item = item.head < groups;  // the same for the whole block
+    Item ahead = item;  // warp 0 of each warpgroup: the next item to copy
+    if (wtid < 32 && any_item) {
+        if (tid == 0) {
             mbarrier_arrive_expect_tx(kv_bar, BWD_WARPGROUPS * 2 * BYTES);
             const int head = static_cast<int>(hk), entry = static_cast<int>(b);
 #pragma unroll
@@ -612,8 +628,8 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                 }
             }
         }
-        for (int st = 0; st < STAGES && ahead < end; ++st) {
-            if (lane == 0) issue(ahead, st);
+        for (int st = 0; st < STAGES && ahead.head < groups; ++st) {
+            if (tid == 0) issue(ahead, st);
             ahead = next(ahead);
         }
         __syncwarp();
@@ -641,10 +657,10 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     constexpr uint32_t kq_half = (D == 128 ? 8192 : DQ_COLS * 2) / 16;
     auto kstep = [](int kk) -> uint32_t { return (kk / 4) * (8192 / 16) + (kk % 4) * 2; };
     auto mnstep = [](int kk) -> uint32_t { return kk * (2048 / 16); };
-    if (item < end) mbarrier_wait(kv_bar, 0);
-    for (int index = 0; item < end; ++index) {
+    if (any_item) mbarrier_wait(kv_bar, 0);
+    for (int index = 0; item.head < groups; ++index) {
         const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
-        const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
+        const int64_t h = h0 + item.head, qt = item.qt, i0 = qt * BQ;
         const uint8_t state = state_of(h, qt, kt);
         // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
         // i0 + nt * 8 + 2 t + r % 2) the mask keeps (none of an empty tile: its products run,
@@ -675,7 +691,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                 }
             }
         }
-        const int64_t item_next = next(item);
+        const Item item_next = next(item);
         float next_lse2 = 0.f, next_delta = 0.f;
         if (wtid < 64) load_stats(item_next, next_lse2, next_delta);
         mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
@@ -698,15 +714,19 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         const float* item_stats = stats + (index & 1) * 128;
         uint32_t pf[4][4], dsf[4][4];  // Pᵀ and dSᵀ as A fragments of 16 queries each, rounded to T
         wgmma_wait<1>();               // Sᵀ
-        const bool masked = state != TILE_FULL;
+        // A hidden score becomes -inf (probability 0) on a tile the mask cuts, outside the
+        // exponentials' loop: most tiles are full.
+        if (state != TILE_FULL) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e)
+                if (!(keep >> e & 1u)) st[e] = -INFINITY;
+        }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const float2 l2 = *reinterpret_cast<const float2*>(item_stats + nt * 8 + 2 * t);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float pr = exp2f(fmaf(st[nt * 4 + r], a.scale_log2, -((r & 1) ? l2.y : l2.x)));
-                st[nt * 4 + r] = masked && !(keep >> (nt * 4 + r) & 1u) ? 0.f : pr;
-            }
+            for (int r = 0; r < 4; ++r)
+                st[nt * 4 + r] = exp2f(fmaf(st[nt * 4 + r], a.scale_log2, -((r & 1) ? l2.y : l2.x)));
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -780,14 +800,12 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D);
             bulk_reduce_add(block_dq, dq_stage, 2 * L::DQ_HALF_BYTES);
         }
-        if (lane == 0) mbarrier_arrive(empty_bar + 8 * stage);  // this warp is done with the stage
-        if (tid < 32) {
-            // Warp 0 refills the stage once every warp has released it.
-            if (ahead < end) {
-                if (lane == 0) {
-                    mbarrier_wait(empty_bar + 8 * stage, (index / STAGES) & 1);
-                    issue(ahead, stage);
-                }
+        if (wtid < 32) {
+            // The warpgroup is done with the stage (every warp passed DQ_BARRIER after its last
+            // wgmma wait); the second warpgroup to get here refills it, so neither waits for the
+            // other. A stage's counter is bumped twice a use: the second bump sees an odd value.
+            if (ahead.head < groups) {
+                if (lane == 0 && (atomic_add_acq_rel_shared(released + 4 * stage, 1) & 1)) issue(ahead, stage);
                 ahead = next(ahead);
             }
             __syncwarp();
