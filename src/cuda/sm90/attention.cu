@@ -587,18 +587,32 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             tma_load_4d(sq + BYTES + half * 8192, do_map, 64 * half, row, head, static_cast<int>(b), bar);
         }
     };
-    // Threads 0 .. 63 of a warpgroup: query row wtid of an item's log-sum-exp (log2 units; +inf where the row
-    // sees no key or lies past m, so that its probabilities are 0) and delta.
-    auto load_stats = [&](Item it, float& lse2, float& row_delta) {
-        lse2 = INFINITY;
-        row_delta = 0.f;
-        if (it.head >= groups) return;
-        const int64_t row = static_cast<int64_t>(it.qt) * BQ + wtid;
-        if (row >= a.m) return;
+    // An item's statistics, loaded an item ahead into two registers and stored to shared memory
+    // (log-sum-exps in log2 units, +inf where the row sees no key or lies past m, so that its
+    // probabilities are 0; deltas) at the end of the item before. At D = 64 each thread of the
+    // warpgroup loads one (entry wtid) and converts it when storing; at D = 128 threads 0 .. 63
+    // load both of row wtid at once (each the faster there: BENCHMARKS.md, session 22).
+    constexpr bool STATS_BY_EVERY_THREAD = D == 64;
+    auto load_stats = [&](Item it) -> float2 {
+        const int64_t row = static_cast<int64_t>(it.qt) * BQ + wtid % 64;
+        const bool none = it.head >= groups || row >= a.m;
         const int64_t at = (b * a.heads + h0 + it.head) * a.m + row;
-        const float l = lse[at];
-        lse2 = l == -INFINITY ? INFINITY : l * LOG2E;
-        row_delta = delta[at];
+        if constexpr (STATS_BY_EVERY_THREAD) {
+            return make_float2(none ? (wtid < 64 ? -INFINITY : 0.f) : (wtid < 64 ? lse[at] : delta[at]), 0.f);
+        } else {
+            if (wtid >= 64 || none) return make_float2(INFINITY, 0.f);
+            const float l = lse[at];
+            return make_float2(l == -INFINITY ? INFINITY : l * LOG2E, delta[at]);
+        }
+    };
+    auto store_stats = [&](float* to, float2 loaded) {
+        if constexpr (STATS_BY_EVERY_THREAD) {
+            const float x = loaded.x;
+            to[wtid] = wtid >= 64 ? x : (x == -INFINITY ? INFINITY : x * LOG2E);
+        } else if (wtid < 64) {
+            to[wtid] = loaded.x;
+            to[64 + wtid] = loaded.y;
+        }
     };
 
     if (dynamic_shared_bytes() < L::SHARED) __trap();  // the host's layout differs from this one
@@ -612,34 +626,33 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     __syncthreads();
     Item item = next(before_first);
     const bool any_item = item.head < groups;  // the same for the whole block
-    Item ahead = item;  // warp 0 of each warpgroup: the next item to copy
-    if (wtid < 32 && any_item) {
-        if (tid == 0) {
-            mbarrier_arrive_expect_tx(kv_bar, BWD_WARPGROUPS * 2 * BYTES);
-            const int head = static_cast<int>(hk), entry = static_cast<int>(b);
+    // Warp COPY_WARP of each warpgroup walks the items to copy (`ahead`) and copies the first
+    // stages (block thread 32 * COPY_WARP); thread 0 copies K / V. (Warp 0 also issues the dQ
+    // reductions; at D = 64 warp 1 copying is the faster.)
+    constexpr int COPY_WARP = D == 64 ? 1 : 0;  // (measured: BENCHMARKS.md, session 22)
+    Item ahead = item;
+    if (tid == 0 && any_item) {
+        mbarrier_arrive_expect_tx(kv_bar, BWD_WARPGROUPS * 2 * BYTES);
+        const int head = static_cast<int>(hk), entry = static_cast<int>(b);
 #pragma unroll
-            for (int c = 0; c < BWD_WARPGROUPS; ++c) {
-                const uint32_t to = base + L::KV + c * 2 * BYTES;
-                const int row = static_cast<int>(j0 + 64 * c);
+        for (int c = 0; c < BWD_WARPGROUPS; ++c) {
+            const uint32_t to = base + L::KV + c * 2 * BYTES;
+            const int row = static_cast<int>(j0 + 64 * c);
 #pragma unroll
-                for (int half = 0; half < D / 64; ++half) {
-                    tma_load_4d(to + half * 8192, k_map, 64 * half, row, head, entry, kv_bar);
-                    tma_load_4d(to + BYTES + half * 8192, v_map, 64 * half, row, head, entry, kv_bar);
-                }
+            for (int half = 0; half < D / 64; ++half) {
+                tma_load_4d(to + half * 8192, k_map, 64 * half, row, head, entry, kv_bar);
+                tma_load_4d(to + BYTES + half * 8192, v_map, 64 * half, row, head, entry, kv_bar);
             }
         }
+    }
+    if (warp == COPY_WARP && any_item) {
         for (int st = 0; st < STAGES && ahead.head < groups; ++st) {
-            if (tid == 0) issue(ahead, st);
+            if (tid == 32 * COPY_WARP) issue(ahead, st);
             ahead = next(ahead);
         }
         __syncwarp();
     }
-    if (wtid < 64) {
-        float lse2, row_delta;
-        load_stats(item, lse2, row_delta);
-        stats[wtid] = lse2;
-        stats[64 + wtid] = row_delta;
-    }
+    store_stats(stats, load_stats(item));
     __syncthreads();
 
     float dk_acc[D / 2], dv_acc[D / 2];
@@ -692,8 +705,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             }
         }
         const Item item_next = next(item);
-        float next_lse2 = 0.f, next_delta = 0.f;
-        if (wtid < 64) load_stats(item_next, next_lse2, next_delta);
+        const float2 next_stats = load_stats(item_next);  // stored at the end of the item
         mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
 
         // The products in five commit groups, each waited for only where its result is needed:
@@ -764,10 +776,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             }
         // The next item's statistics, into the buffer the previous item read (before this
         // barrier, which every warp of the warpgroup passed that item's reads to reach).
-        if (wtid < 64) {
-            stats[((index + 1) & 1) * 128 + wtid] = next_lse2;
-            stats[((index + 1) & 1) * 128 + 64 + wtid] = next_delta;
-        }
+        store_stats(stats + ((index + 1) & 1) * 128, next_stats);
         // The previous item's reduction has read the dQ tile this item writes (its issuing thread
         // waits here, before the barrier the writers pass).
         if (wtid == 0) bulk_wait_read<0>();
@@ -800,7 +809,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D);
             bulk_reduce_add(block_dq, dq_stage, 2 * L::DQ_HALF_BYTES);
         }
-        if (wtid < 32) {
+        if (warp == COPY_WARP) {
             // The warpgroup is done with the stage (every warp passed DQ_BARRIER after its last
             // wgmma wait); the second warpgroup to get here refills it, so neither waits for the
             // other. A stage's counter is bumped twice a use: the second bump sees an odd value.
