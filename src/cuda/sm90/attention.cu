@@ -169,7 +169,9 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     const uint32_t base = shared_address(shared_raw);
     const uint32_t full_bar = base, empty_bar = base + 8 * STAGES;
     const uint32_t q_tiles = base + BARRIER_BYTES, kv_stages = q_tiles + CONSUMERS * L::BYTES;
-    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    // (The warpgroup index and the stage through a shuffle: what derives from them, the wgmma
+    // descriptors, then stays in uniform registers.)
+    const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0), tid = threadIdx.x % 128;
 
     // The block: batch entry b, head h, query tiles qt0 .. qt0 + CONSUMERS - 1, the longest rows
     // first (for causal masks). At D = 128 blocks are taken head by head, so that the blocks
@@ -381,7 +383,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         set_p(s, state != TILE_EMPTY);
         int stage_prev = 0, index = 1;
         for (; kt_next < a.col_tiles; ++index) {
-            const int stage = index % STAGES;
+            const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
             kt = kt_next;
             state = state_next;
             prepare(index, kt, state, keep);
@@ -489,9 +491,10 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 
 // The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
 // tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
-// group, query tile) whose mask tile is not empty for either key tile, thread 0 streaming each
-// item's Q and dO tiles by TMA through STAGES stages (q_map, do_map: as k_map, 64 x 64 boxes in
-// the 128-byte swizzle, zeros past m and d) that both warpgroups read. Per item, each warpgroup
+// group, query tile) whose mask tile is not empty for either key tile, streaming each item's Q
+// and dO tiles by TMA through STAGES stages (q_map, do_map: as k_map, 64 x 64 boxes in the
+// 128-byte swizzle, zeros past m and d) that both warpgroups read; the second warpgroup done with
+// a stage refills it. Per item, each warpgroup
 // with accumulator rows its 64 keys and columns the item's 64 queries (thread layout as in the
 // forward):
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
@@ -503,8 +506,8 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 //   Q / dO stages, so one may run up to an item behind the other, its exponentials under the
 //   other's products. dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment
 //   order]: entry ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row
-//   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; dq_rows turns it into
-//   dq.
+//   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; it sums dS K, which
+//   dq_rows scales into dq.
 // dk = scale * dK and dv = dV are stored at the end (rows below n, columns below d / dv).
 template <typename T, int D, bool GENERATED>
 __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
@@ -799,8 +802,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
 #pragma unroll
             for (int nt = 0; nt < DQ_COLS / 8; ++nt)
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + half * L::DQ_HALF_BYTES + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
-                             "f"(dq[nt * 4] * a.scale), "f"(dq[nt * 4 + 1] * a.scale), "f"(dq[nt * 4 + 2] * a.scale),
-                             "f"(dq[nt * 4 + 3] * a.scale)
+                             "f"(dq[nt * 4]), "f"(dq[nt * 4 + 1]), "f"(dq[nt * 4 + 2]), "f"(dq[nt * 4 + 3])
                              : "memory");
         }
         fence_async_shared();
@@ -839,8 +841,8 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     }
 }
 
-// dq (T [b, h, m, d]) from the backward's dq_accum (see backward_ws): a thread per float4 of
-// dq_accum, which holds rows g and g + 8, columns 2 t and 2 t + 1 of an 8 x 8 tile.
+// dq = scale * dq_accum (T [b, h, m, d]) from the backward's dq_accum (see backward_ws): a thread
+// per float4 of dq_accum, which holds rows g and g + 8, columns 2 t and 2 t + 1 of an 8 x 8 tile.
 template <typename T, int D>
 __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* __restrict__ dq, const AttentionArgs& a) {
     constexpr int DQ_COLS = D / BWD_WARPGROUPS, PER_BLOCK = 16 * DQ_COLS;  // float4 per warpgroup block
@@ -854,8 +856,8 @@ __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* 
         const int64_t col = half * DQ_COLS + nt * 8 + 2 * t;
         if (col >= a.d) continue;
         const float4 x = dq_accum[index];
-        if (row < a.m) from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x, x.y);
-        if (row + 8 < a.m) from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z, x.w);
+        if (row < a.m) from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x * a.scale, x.y * a.scale);
+        if (row + 8 < a.m) from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z * a.scale, x.w * a.scale);
     }
 }
 
