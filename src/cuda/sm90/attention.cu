@@ -560,9 +560,9 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     // The first live item after `it` (done when none); every thread of a warp calls it alike.
     auto next = [&](Item it) -> Item {
         if constexpr (GENERATED) {
-            // Every query tile of [qt_first, qt_last] sees a key of the block: the queries that
-            // see one of its keys form one run, and a tile holding one of them is not empty for
-            // both key tiles (the same for every head). At D = 128 the walk still tests each tile
+            // Every query tile of [qt_first, qt_last] sees a key of the block (the queries that see
+            // one of its keys form one run, the same for every head), so no tile of the range is
+            // empty for both key tiles. At D = 128 the walk still tests each tile
             // (no other effect: without the tests the causal 8192 backward measured 8% slower
             // there, and the d64 one 7% faster; BENCHMARKS.md, session 22).
             if (qt_first > qt_last) return done;
@@ -584,7 +584,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
     };
     const Item before_first{0, GENERATED ? qt_first - 1 : -1};  // next(before_first) is the first item
-    // Thread 0: the copies of an item's Q and dO tiles into `stage`.
+    // One thread: the copies of an item's Q and dO tiles into `stage`.
     auto issue = [&](Item it, int stage) {
         const uint32_t sq = base + L::STAGE0 + stage * 2 * BYTES, bar = full_bar + 8 * stage;
         const int head = static_cast<int>(h0) + it.head, row = it.qt * BQ;
