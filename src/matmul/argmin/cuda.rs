@@ -103,18 +103,7 @@ fn col_groups(wanted: usize, batch: usize, row_tiles: usize, col_tiles: usize) -
 fn launch_portable<T: WithDType + DeviceRepr>(
     dev: &CudaDevice, call: &ArgminCall<'_, T>,
 ) -> Result<()> {
-    let ArgminCall {
-        a,
-        b,
-        bias,
-        keys,
-        problem,
-        av,
-        bv,
-        mode,
-        scale,
-    } = *call;
-    let (batch, m, n) = (av.batch, av.rows, bv.cols);
+    let (batch, m, n) = (call.av.batch, call.av.rows, call.bv.cols);
     let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
     // Enough blocks for four waves: split the column tiles of each row tile between blocks
     // when there are few row tiles.
@@ -123,10 +112,24 @@ fn launch_portable<T: WithDType + DeviceRepr>(
     let blocks = batch * row_tiles * col_groups;
     let argmin_args = ArgminArgs {
         col_groups: col_groups as i64,
-        scale,
+        scale: call.scale,
     };
-    let (product, cfg) =
-        core_launch::<T>(dev, "argmin_matmul", "argmin_matmul", problem, mode, blocks)?;
+    let (product, cfg) = core_launch::<T>(
+        dev,
+        "argmin_matmul",
+        "argmin_matmul",
+        call.problem,
+        call.mode,
+        blocks,
+    )?;
+    let ArgminCall {
+        a,
+        b,
+        bias,
+        keys,
+        problem,
+        ..
+    } = *call;
     // SAFETY: arguments match `argmin_matmul_*(a, b, bias, keys, Problem, ArgminArgs)`;
     // bias holds n floats, keys batch * m, and the kernel bounds every access by the problem.
     unsafe { product.launch(cfg, kernel_args!(a, b, bias, keys, problem, &argmin_args)) }
