@@ -55,6 +55,16 @@ impl Bench {
         self.filters.is_empty() || self.filters.iter().any(|f| op.contains(f.as_str()))
     }
 
+    /// Whether a case of a section that honours `FASTOPS_BENCH_CASES` runs: that variable (when
+    /// set) is a comma-separated list of substrings, one of which the case's name must contain
+    /// (for A/B jobs; masked_attention honours it).
+    fn wants_case(&self, case: &str) -> bool {
+        match std::env::var("FASTOPS_BENCH_CASES") {
+            Ok(list) => list.split(',').any(|f| case.contains(f.trim())),
+            Err(_) => true,
+        }
+    }
+
     /// Median wall time of `f` in microseconds.
     fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         // FASTOPS_BENCH_CALLS="warm-up,timed" overrides every section's counts (e.g. "0,1"
@@ -114,7 +124,12 @@ impl Bench {
         baseline: impl FnMut() -> Result<()>,
     ) -> Result<()> {
         let median_us = self.time(ours)?;
-        let baseline_us = self.time(baseline)?;
+        // FASTOPS_BENCH_NO_BASELINE=1 times only ours (for A/B jobs); the row's baseline is 0.
+        let baseline_us = if std::env::var("FASTOPS_BENCH_NO_BASELINE").as_deref() == Ok("1") {
+            0.0
+        } else {
+            self.time(baseline)?
+        };
         self.push_row(op, case, dtype, work, median_us, baseline_name, baseline_us);
         Ok(())
     }
@@ -1018,6 +1033,9 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
         &[("causal", 1024, 64)]
     };
     for &(name, n, d) in cases {
+        if !b.wants_case(&format!("{name} b={batch} h={heads} n={n} d={d}")) {
+            continue;
+        }
         let scale = 1.0 / (d as f64).sqrt();
         let (mask, visible_pairs, keep): (AttentionMask, usize, Box<Visible>) = match name {
             "causal" => (

@@ -150,4 +150,7 @@ pub mod attention {
     pub const MASK_WINDOW: i32 = 2;
     pub const MASK_DOCUMENTS: i32 = 3;
     pub const MASK_DENSE: i32 = 4;
+    /// Documents whose ids form one contiguous run each (the Hopper kernels only): every query
+    /// sees one run of keys, read from the per-position runs instead of tile states.
+    pub const MASK_RUNS: i32 = 5;
 }

@@ -94,11 +94,15 @@ pub(super) fn kernel_operand(t: Tensor) -> Result<Tensor> {
 }
 
 /// The mask's data on the device, with the kernels' mask arguments.
+#[derive(Clone)]
 pub(super) struct DeviceMask {
     args: MaskArgs,
     states: Option<Tensor>,
     dense: Option<Tensor>,
     ids: Option<Tensor>,
+    /// Documents in contiguous runs: each position's document (`document_runs`), which the
+    /// Hopper kernels read in place of the ids and tile states.
+    runs: Option<Tensor>,
 }
 
 impl DeviceMask {
@@ -110,6 +114,7 @@ impl DeviceMask {
             states: None,
             dense: None,
             ids: None,
+            runs: None,
         };
         let tiles = p.m.div_ceil(TILE_Q) * p.n.div_ceil(TILE_K);
         let data = mask.tile_data(TILE_Q, TILE_K, p.m, p.n, device)?;
@@ -120,12 +125,13 @@ impl DeviceMask {
                 dm.args.kind = C::MASK_WINDOW;
                 dm.args.window = (*w).min(p.m + p.n + 1) as i64;
             }
-            (Kind::Documents { causal, .. }, Some(TileData::DocDevice { states, ids })) => {
+            (Kind::Documents { causal, .. }, Some(TileData::DocDevice { states, ids, runs })) => {
                 dm.args.kind = C::MASK_DOCUMENTS;
                 dm.args.doc_causal = *causal as i32;
                 dm.args.states_batch_stride = tiles as i64;
                 dm.states = Some(states.clone());
                 dm.ids = Some(ids.clone());
+                dm.runs = runs.clone().filter(|_| hopper_runs_chosen());
             }
             (Kind::Dense { mask }, Some(TileData::DenseStates(states))) => {
                 let (mb, mh, _, _) = mask.dims4()?;
@@ -148,6 +154,34 @@ impl DeviceMask {
         }
         Ok(dm)
     }
+
+    /// The mask as the Hopper kernels read it: documents in contiguous runs become `MASK_RUNS`
+    /// (each query sees one run of keys: the per-position runs in place of the ids, no tile
+    /// states); every other mask stays as it is.
+    fn for_hopper(&self) -> DeviceMask {
+        match &self.runs {
+            Some(runs) => DeviceMask {
+                args: MaskArgs {
+                    kind: C::MASK_RUNS,
+                    states_batch_stride: 0,
+                    ..self.args
+                },
+                states: None,
+                dense: None,
+                ids: Some(runs.clone()),
+                runs: None,
+            },
+            None => self.clone(),
+        }
+    }
+}
+
+/// Whether the Hopper kernels read documents in contiguous runs as runs (`MASK_RUNS`), the
+/// default; `CANDLE_FASTOPS_ATTENTION_RUNS=0` makes them read the tile states and ids instead (as
+/// for documents whose ids recur), for comparisons. Read once per process.
+fn hopper_runs_chosen() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| std::env::var("CANDLE_FASTOPS_ATTENTION_RUNS").as_deref() != Ok("0"))
 }
 
 /// A tensor's storage, held (read-locked) for a launch.
@@ -405,16 +439,16 @@ impl Path {
     }
 }
 
-/// The Hopper kernel `stem_{generated,stored}_d{head_tile}_{dtype}` for a mask (generated masks:
-/// full, causal, window; stored tile states: documents, dense), allowed `shared` bytes of dynamic
-/// shared memory.
+/// The Hopper kernel `stem_{generated,runs,stored}_d{head_tile}_{dtype}` for a mask (generated
+/// masks: full, causal, window; runs: documents in contiguous runs; stored tile states: other
+/// documents, dense), allowed `shared` bytes of dynamic shared memory.
 fn hopper_kernel<T: WithDType>(
     dev: &CudaDevice, stem: &str, mask: &DeviceMask, head_tile: usize, shared: usize,
 ) -> Result<Kernel> {
-    let masks = if mask.args.kind <= C::MASK_WINDOW {
-        "generated"
-    } else {
-        "stored"
+    let masks = match mask.args.kind {
+        C::MASK_FULL | C::MASK_CAUSAL | C::MASK_WINDOW => "generated",
+        C::MASK_RUNS => "runs",
+        _ => "stored",
     };
     let kernel = Kernel::load_typed::<T>(
         dev,
@@ -618,7 +652,11 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 );
                 match maps {
                     (Some(k_map), Some(v_map)) => {
-                        let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, mask, head_tile)?;
+                        let mask = mask.for_hopper();
+                        let a = args(p, &mask, [ql, kl, vl]);
+                        let held = hold_all(&mask);
+                        let views = mask_views(&held)?;
+                        let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, &mask, head_tile)?;
                         // SAFETY: the arguments match `attention_fwd_sm90_*(q, k_map, v_map,
                         // out, lse, states, dense, ids, args)`. The kernel reads q, the mask's
                         // buffers and writes out and lse as the portable forward below does; k
@@ -759,6 +797,15 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let dv = alloc_output::<T>(dev, v.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
+    // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
+    let hopper_mask;
+    let mask = match hopper {
+        Some(_) => {
+            hopper_mask = mask.for_hopper();
+            &hopper_mask
+        }
+        None => mask,
+    };
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);

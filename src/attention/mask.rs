@@ -75,9 +75,14 @@ pub(super) enum TileData {
     /// u8 `[mb * mh, row_tiles, col_tiles]` tile states.
     DenseStates(Tensor),
     /// Documents on a GPU: u8 `[batch, row_tiles, col_tiles]` tile states and the ids (i64
-    /// `[batch * seq]`), both on the device.
+    /// `[batch * seq]`), both on the device; `runs` as [`document_runs`] makes them, on the
+    /// device, where every document is one contiguous run.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    DocDevice { states: Tensor, ids: Tensor },
+    DocDevice {
+        states: Tensor,
+        ids: Tensor,
+        runs: Option<Tensor>,
+    },
 }
 
 impl AttentionMask {
@@ -259,6 +264,9 @@ impl AttentionMask {
                     TileData::DocDevice {
                         states: Tensor::from_vec(states, (*batch, rt, ct), device)?,
                         ids: Tensor::from_slice(ids.as_slice(), batch * seq, device)?,
+                        runs: document_runs(ids, *seq)
+                            .map(|runs| Tensor::from_vec(runs, batch * seq, device))
+                            .transpose()?,
                     }
                 }
             }
@@ -328,6 +336,33 @@ pub(super) fn document_tile_state(
     }
 }
 
+/// Per position of `ids` (`[batch, seq]` flattened): the first and the last position of its
+/// document, packed as `first | last << 32` (how the Hopper kernels' `MASK_RUNS` reads them), when
+/// in every batch entry each id forms one contiguous run and `seq < 2^31`; `None` otherwise (an id
+/// that comes back after another one).
+pub(super) fn document_runs(ids: &[i64], seq: usize) -> Option<Vec<i64>> {
+    if seq == 0 || seq > i32::MAX as usize {
+        return None;
+    }
+    let mut runs = Vec::with_capacity(ids.len());
+    let mut seen = std::collections::HashSet::new();
+    for row in ids.chunks(seq) {
+        seen.clear();
+        let mut first = 0;
+        while first < row.len() {
+            let id = row[first];
+            if !seen.insert(id) {
+                return None;
+            }
+            let last = first + row[first..].iter().take_while(|&&x| x == id).count() - 1;
+            let packed = first as i64 | (last as i64) << 32;
+            runs.extend(std::iter::repeat_n(packed, last - first + 1));
+            first = last + 1;
+        }
+    }
+    Some(runs)
+}
+
 /// Whether query `i` sees key `j` under a generated mask with `offset = n - m`.
 #[inline]
 pub(super) fn generated_visible(kind: &Kind, i: usize, j: usize, offset: i64) -> bool {
@@ -337,5 +372,22 @@ pub(super) fn generated_visible(kind: &Kind, i: usize, j: usize, offset: i64) ->
         Kind::Causal => j <= pos,
         Kind::Window(w) => j <= pos && pos - j < *w as i64,
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::document_runs;
+
+    #[test]
+    fn document_runs_pack_each_positions_document() {
+        let pack = |first: i64, last: i64| first | last << 32;
+        // Two batch entries of five positions; ids need not be sorted, only contiguous.
+        let runs = document_runs(&[7, 7, 2, 2, 2, 0, 5, 5, 5, 9], 5).unwrap();
+        let (a, b, c, d) = (pack(0, 1), pack(2, 4), pack(0, 0), pack(1, 3));
+        assert_eq!(runs, [a, a, b, b, b, c, d, d, d, pack(4, 4)]);
+        // An id that comes back after another one is not a run.
+        assert_eq!(document_runs(&[1, 1, 2, 1], 4), None);
+        assert_eq!(document_runs(&[], 0), None);
     }
 }

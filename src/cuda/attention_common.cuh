@@ -141,6 +141,69 @@ struct MaskView {
         last = (j_first > j_last || lo > hi) ? first - 1 : hi / BQ;
     }
 
+    // MASK_RUNS (documents whose ids form one contiguous run each; m == n): `ids` then holds per
+    // position p of the batch entry the first (low 32 bits) and last (high 32 bits) position of
+    // p's document. Query i sees keys [first(i), causal ? i : last(i)] and key j is seen by the
+    // queries [causal ? j : first(j), last(j)]. Both ends of either run never decrease with the
+    // position and the runs of neighbouring positions meet or overlap, so the keys that a run of
+    // queries sees form one run (and the queries that see a run of keys): every tile of the
+    // ranges below holds a query (key) of the run.
+    __device__ __forceinline__ int2 document_of(int64_t p) const {
+        const uint64_t r = static_cast<uint64_t>(__ldg(ids + b * a.n + p));
+        return make_int2(static_cast<int>(r & 0xffffffffu), static_cast<int>(r >> 32));
+    }
+    __device__ __forceinline__ int64_t runs_last_key(int64_t i) const {
+        return a.mask.doc_causal ? i : document_of(i).y;
+    }
+    __device__ __forceinline__ void runs_key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
+        if (i >= a.m) {
+            clamp_run(0, -1, j0, len, lo, hi);
+            return;
+        }
+        const int2 doc = document_of(i);
+        clamp_run(doc.x, a.mask.doc_causal ? i : doc.y, j0, len, lo, hi);
+    }
+    __device__ __forceinline__ void runs_query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
+        if (j >= a.n) {
+            clamp_run(0, -1, i0, len, lo, hi);
+            return;
+        }
+        const int2 doc = document_of(j);
+        clamp_run(a.mask.doc_causal ? j : doc.x, doc.y, i0, len, lo, hi);
+    }
+    __device__ __forceinline__ void runs_key_tiles(int64_t i_first, int64_t i_last, int64_t& first,
+                                                   int64_t& last) const {
+        i_last = min(i_last, a.m - 1);
+        if (i_first > i_last) {
+            first = 0;
+            last = -1;
+            return;
+        }
+        first = document_of(i_first).x / BK;
+        last = runs_last_key(i_last) / BK;
+    }
+    __device__ __forceinline__ void runs_query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
+                                                        int64_t& last) const {
+        j_last = min(j_last, a.n - 1);
+        if (j_first > j_last) {
+            first = 0;
+            last = -1;
+            return;
+        }
+        first = (a.mask.doc_causal ? j_first : document_of(j_first).x) / BQ;
+        last = document_of(j_last).y / BQ;
+    }
+    __device__ __forceinline__ uint8_t runs_tile_state(int64_t qt, int64_t kt) const {
+        const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
+        const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
+        if (r0 > r1 || c0 > c1) return TILE_EMPTY;
+        // The keys the rows see together: [first(r0), last(r1)]; each row sees them all when
+        // first(r1) <= c0 and c1 <= last(r0).
+        if (c1 < document_of(r0).x || c0 > runs_last_key(r1)) return TILE_EMPTY;
+        const bool full = c0 >= document_of(r1).x && c1 <= runs_last_key(r0) && c0 + BK <= a.n && r0 + BQ <= a.m;
+        return full ? TILE_FULL : TILE_PARTIAL;
+    }
+
     // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
     __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const {
         if (i >= a.m || j >= a.n) return false;
@@ -149,6 +212,10 @@ struct MaskView {
         case AC::MASK_FULL: return true;
         case AC::MASK_CAUSAL: return j <= pos;
         case AC::MASK_WINDOW: return j <= pos && pos - j < a.mask.window;
+        case AC::MASK_RUNS: {
+            const int2 doc = document_of(i);
+            return j >= doc.x && j <= (a.mask.doc_causal ? i : doc.y);
+        }
         case AC::MASK_DOCUMENTS: {
             const int64_t* row = ids + b * a.m;
             return row[i] == row[j] && (!a.mask.doc_causal || j <= i);

@@ -172,6 +172,15 @@ fn documents(b: usize, s: usize, salt: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Document ids whose values recur (run k has id k % 3), so that a document is not one
+/// contiguous run: the masks that the Hopper kernels read from tile states and ids.
+fn recurring_documents(b: usize, s: usize, salt: u64) -> Vec<Vec<u32>> {
+    documents(b, s, salt)
+        .into_iter()
+        .map(|row| row.into_iter().map(|id| id % 3).collect())
+        .collect()
+}
+
 fn attention_tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::F64 => 1e-10,
@@ -237,6 +246,14 @@ fn every_mask_kind_matches_the_reference() -> Result<()> {
                 Spec::Documents(documents(b, m, 5), true),
             ),
             ("documents", Spec::Documents(documents(b, m, 6), false)),
+            (
+                "documents recurring causal",
+                Spec::Documents(recurring_documents(b, m, 5), true),
+            ),
+            (
+                "documents recurring",
+                Spec::Documents(recurring_documents(b, m, 6), false),
+            ),
             (
                 "dense [m, n]",
                 Spec::Dense(random_bytes(m * n, 0.3, 7), [1, 1, m, n], 2),
@@ -368,7 +385,7 @@ fn every_dtype_shape_and_layout() -> Result<()> {
 /// d != dv below them, in the 16-bit types (f32 where those have no tensor-core kernels).
 /// The masks of the long-sequence tests: every kind, documents and dense bytes drawn for `b`
 /// sequences of `m` tokens (`salt`, `salt + 1`).
-fn long_sequence_masks(b: usize, m: usize, salt: u64) -> [(&'static str, Spec); 5] {
+fn long_sequence_masks(b: usize, m: usize, salt: u64) -> [(&'static str, Spec); 7] {
     [
         ("causal", Spec::Causal),
         ("full", Spec::Full),
@@ -376,6 +393,14 @@ fn long_sequence_masks(b: usize, m: usize, salt: u64) -> [(&'static str, Spec); 
         (
             "documents causal",
             Spec::Documents(documents(b, m, salt), true),
+        ),
+        (
+            "documents",
+            Spec::Documents(documents(b, m, salt + 2), false),
+        ),
+        (
+            "documents recurring causal",
+            Spec::Documents(recurring_documents(b, m, salt), true),
         ),
         (
             "dense [b, m, n]",
@@ -584,7 +609,27 @@ fn gradients_match_composed_attention() -> Result<()> {
         let cases = [
             ("causal", Spec::Causal, m, (d, dv), 0.4),
             ("window", Spec::Window(40), m, (d, dv), 0.4),
-            ("documents", Spec::Documents(docs, true), n, (d, dv), 0.4),
+            (
+                "documents",
+                Spec::Documents(docs.clone(), true),
+                n,
+                (d, dv),
+                0.4,
+            ),
+            (
+                "documents recurring",
+                Spec::Documents(recurring_documents(b, 133, 21), true),
+                n,
+                (d, dv),
+                0.4,
+            ),
+            (
+                "documents, not causal",
+                Spec::Documents(docs, false),
+                n,
+                (d, dv),
+                0.4,
+            ),
             ("full", Spec::Full, m, (d, dv), 0.4),
             ("causal, d 96", Spec::Causal, m, (96, 128), 0.4),
             ("causal, scale -0.3", Spec::Causal, m, (d, dv), -0.3),

@@ -142,6 +142,37 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
         : "memory");
 }
 
+// How a kernel instance reads its mask: FORMULA (full, causal and window masks, in closed form),
+// RUNS (documents whose ids form contiguous runs: MaskView's runs_*, read per position) or STORED
+// (tile states and entries in memory: other documents, dense masks). FORMULA and RUNS masks are
+// "generated": each query sees one run of keys and each key is seen by one run of queries.
+enum MaskFamily { FORMULA, RUNS, STORED };
+template <int MASKS> struct KernelMask {
+    MaskView view;
+    __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
+        if constexpr (MASKS == RUNS) return view.runs_tile_state(qt, kt);
+        return view.tile_state(h, qt, kt);
+    }
+    __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
+        if constexpr (MASKS == RUNS) view.runs_key_run(i, j0, len, lo, hi);
+        else view.key_run(i, j0, len, lo, hi);
+    }
+    __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
+        if constexpr (MASKS == RUNS) view.runs_query_run(j, i0, len, lo, hi);
+        else view.query_run(j, i0, len, lo, hi);
+    }
+    __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
+        if constexpr (MASKS == RUNS) view.runs_key_tiles(i_first, i_last, first, last);
+        else view.key_tiles(i_first, i_last, first, last);
+    }
+    __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
+                                                   int64_t& last) const {
+        if constexpr (MASKS == RUNS) view.runs_query_tiles_of(j_first, j_last, first, last);
+        else view.query_tiles_of(j_first, j_last, first, last);
+    }
+    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
+};
+
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
@@ -155,9 +186,8 @@ constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
 // take turns at the tensor cores (named barriers, in ping-pong): in its turn a consumer issues
 // S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
 // runs the mask and the online softmax of the current tile while the other consumer's products
-// run. GENERATED: the mask is full, causal or a window (its tiles and runs in closed form);
-// otherwise it has tile states and entries in memory (documents, dense).
-template <typename T, int D, bool GENERATED>
+// run. MASKS: the MaskFamily of the mask.
+template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const TensorMap* k_map, const TensorMap* v_map,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
@@ -183,7 +213,8 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     const int64_t qt0 = (row_blocks - 1 - rank) * CONSUMERS;
     const int64_t bh = D == 128 ? block / row_blocks : block % heads_total;
     const int64_t b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
-    const MaskView mask{a, states, dense, ids, b};
+    constexpr bool GENERATED = MASKS != STORED;
+    const KernelMask<MASKS> mask{{a, states, dense, ids, b}};
     const int64_t i0 = qt0 * BQ, block_rows = min(static_cast<int64_t>(BQ * CONSUMERS), a.m - i0);
     int64_t kt_first = 0, kt_last = a.col_tiles - 1;
     if constexpr (GENERATED) mask.key_tiles(i0, i0 + block_rows - 1, kt_first, kt_last);
@@ -509,7 +540,7 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 //   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; it sums dS K, which
 //   dq_rows scales into dq.
 // dk = scale * dK and dv = dV are stored at the end (rows below n, columns below d / dv).
-template <typename T, int D, bool GENERATED>
+template <typename T, int D, int MASKS>
 __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
                                             const TensorMap* do_map, const float* __restrict__ lse,
                                             const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
@@ -535,7 +566,8 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int64_t kb = block / kv_total, bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kb * BWD_KEYS;
     const int64_t kt = 2 * kb + wg;  // this warpgroup's key tile
-    const MaskView mask{a, states, dense, ids, b};
+    constexpr bool GENERATED = MASKS != STORED;
+    const KernelMask<MASKS> mask{{a, states, dense, ids, b}};
     // Items: (query head h0 + head, query tile qt), head by head, those whose mask tile is not
     // empty for either key tile of the block; head == group past the last. In 32 bits and without
     // divisions on the generated masks' walk (the host keeps group * row_tiles below 2^31).
@@ -562,7 +594,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         if constexpr (GENERATED) {
             // Every query tile of [qt_first, qt_last] sees a key of the block (the queries that see
             // one of its keys form one run, the same for every head), so no tile of the range is
-            // empty for both key tiles. At D = 128 the walk still tests each tile
+            // empty for both key tiles. At D = 128 the causal / window walk still tests each tile
             // (no other effect: without the tests the causal 8192 backward measured 8% slower
             // there, and the d64 one 7% faster; BENCHMARKS.md, session 22).
             if (qt_first > qt_last) return done;
@@ -572,7 +604,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                     it.qt = qt_first;
                 }
                 if (it.head >= groups) return done;
-                if (D == 64 || live(it.head, it.qt)) return it;
+                if (D == 64 || MASKS == RUNS || live(it.head, it.qt)) return it;
             }
         } else {
             const int end = groups * row_tiles;
@@ -868,36 +900,40 @@ __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* 
 
 }  // namespace
 
-// Exported kernels: attention_fwd_sm90_{generated,stored}_d{64,128}_{f16,bf16} (generated:
-// full, causal and window masks; stored: documents and dense masks), with the arguments of the
+// Exported kernels: attention_fwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16} (generated:
+// full, causal and window masks; runs: documents in contiguous runs, `ids` holding each position's
+// document as MaskView::document_of reads it; stored: other documents and dense masks), with the arguments of the
 // portable attention_fwd_d*_* (src/cuda/attention.cu) but TMA maps of k and v for their pointers.
-#define ATTENTION_SM90_MASK(T, RUST, D, KIND, GENERATED)                                                              \
+#define ATTENTION_SM90_MASK(T, RUST, D, KIND, MASKS)                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_sm90_##KIND##_d##D##_##RUST(               \
         const T* q, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, T* out,         \
         float* lse, const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {               \
-        forward_ws<T, D, GENERATED>(q, &k_map, &v_map, out, lse, states, dense, ids, a);                              \
+        forward_ws<T, D, MASKS>(q, &k_map, &v_map, out, lse, states, dense, ids, a);                              \
     }
-#define ATTENTION_SM90(T, RUST, D) ATTENTION_SM90_MASK(T, RUST, D, generated, true) ATTENTION_SM90_MASK(T, RUST, D, stored, false)
+#define ATTENTION_SM90(T, RUST, D)                                                                                    \
+    ATTENTION_SM90_MASK(T, RUST, D, generated, FORMULA)                                                               \
+    ATTENTION_SM90_MASK(T, RUST, D, runs, RUNS) ATTENTION_SM90_MASK(T, RUST, D, stored, STORED)
 ATTENTION_SM90(__half, f16, 64)
 ATTENTION_SM90(__half, f16, 128)
 ATTENTION_SM90(__nv_bfloat16, bf16, 64)
 ATTENTION_SM90(__nv_bfloat16, bf16, 128)
 
-// attention_bwd_sm90_{generated,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32,
+// attention_bwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32,
 // zeroed by the host, which attention_dq_rows_sm90_d*_* then turns into dq) after
 // attention_delta_*; a block of two warpgroups
 // per 128 keys of a (batch entry, kv head); TMA maps of q, k, v and grad_out.
-#define ATTENTION_SM90_BWD_MASK(T, RUST, D, KIND, GENERATED)                                                          \
+#define ATTENTION_SM90_BWD_MASK(T, RUST, D, KIND, MASKS)                                                          \
     extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1) attention_bwd_sm90_##KIND##_d##D##_##RUST(     \
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,                             \
         const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map, const float* lse,          \
         const float* delta, T* dk, T* dv, float* dq_accum, const uint8_t* states, const uint8_t* dense,               \
         const int64_t* ids, AttentionArgs a) {                                                                        \
-        backward_ws<T, D, GENERATED>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
+        backward_ws<T, D, MASKS>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
                                      ids, a);                                                                         \
     }
 #define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
-    ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, true) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, false)          \
+    ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, FORMULA)                                                           \
+    ATTENTION_SM90_BWD_MASK(T, RUST, D, runs, RUNS) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, STORED)              \
     extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {  \
         dq_rows<T, D>(dq_accum, dq, a);                                                                               \
     }
