@@ -740,29 +740,39 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         ho.view::<T>()?,
         hg.view::<T>()?,
     );
+    let dk = alloc_output::<T>(dev, k.elem_count())?;
+    let dv = alloc_output::<T>(dev, v.elem_count())?;
     // The Hopper backward where it runs the problem (not in deterministic mode: it adds dq with
-    // bulk reductions in a varying order) and TMA describes the operands. The maps hold raw
-    // addresses: the `_read` guards keep the operands' stream ordering until the launches are
-    // queued.
+    // bulk reductions in a varying order) and TMA describes the operands and dk / dv. The maps
+    // hold raw addresses: the guards keep the buffers' stream ordering until the launches are
+    // queued (dk and dv, written through their maps, are new buffers on this one stream).
     let stream = dev.cuda_stream();
     let (q_ptr, _q_read) = qv.device_ptr(&stream);
     let (k_ptr, _k_read) = kv.device_ptr(&stream);
     let (v_ptr, _v_read) = vv.device_ptr(&stream);
     let (g_ptr, _g_read) = gv.device_ptr(&stream);
+    let (dk_ptr, dk_guard) = dk.device_ptr(&stream);
+    let (dv_ptr, dv_guard) = dv.device_ptr(&stream);
     // (The kernel walks (query head of the group, query tile) items in 32-bit integers.)
     let items = (p.heads / p.kv_heads) * p.m.div_ceil(TILE_Q);
     let hopper = match path.hopper_forward(dev)? {
         Some(head_tile) if !p.deterministic && items <= i32::MAX as usize => {
             let (q_dims, kv_dims) = ([p.batch, p.heads, p.m], [p.batch, p.kv_heads, p.n]);
             let grad_strides = [p.heads * p.m * p.dv, p.m * p.dv, p.dv];
+            let dk_strides = [p.kv_heads * p.n * p.d, p.n * p.d, p.d];
+            let dv_strides = [p.kv_heads * p.n * p.dv, p.n * p.dv, p.dv];
             let maps = [
                 TensorMap::tiles::<T>(q_ptr, q_dims, p.d, strides_of(q.layout()))?,
                 TensorMap::tiles::<T>(k_ptr, kv_dims, p.d, strides_of(k.layout()))?,
                 TensorMap::tiles::<T>(v_ptr, kv_dims, p.dv, strides_of(v.layout()))?,
                 TensorMap::tiles::<T>(g_ptr, q_dims, p.dv, grad_strides)?,
+                TensorMap::tiles::<T>(dk_ptr, kv_dims, p.d, dk_strides)?,
+                TensorMap::tiles::<T>(dv_ptr, kv_dims, p.dv, dv_strides)?,
             ];
             match maps {
-                [Some(q), Some(k), Some(v), Some(g)] => Some((head_tile, [q, k, v, g])),
+                [Some(q), Some(k), Some(v), Some(g), Some(dk), Some(dv)] => {
+                    Some((head_tile, [q, k, v, g, dk, dv]))
+                }
                 _ => None,
             }
         }
@@ -793,8 +803,6 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         (Some(_), None) => None,
         _ => Some(alloc_output::<T>(dev, q.elem_count())?),
     };
-    let dk = alloc_output::<T>(dev, k.elem_count())?;
-    let dv = alloc_output::<T>(dev, v.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
@@ -852,16 +860,18 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             let (kernel, cfg) = hopper_backward_kernel::<T>(dev, p, mask, *head_tile)?;
             let acc = dq_accum.as_ref().expect("the Hopper backward has dq_accum");
             // SAFETY: the arguments match `attention_bwd_sm90_*(q_map, k_map, v_map, do_map,
-            // lse, delta, dk, dv, dq_accum, states, dense, ids, args)`. q, k, v and grad_out are
-            // read through the maps, which cover exactly their layouts; lse and delta rows below
-            // m; the mask's buffers as in the forward. The kernel writes rows below n of dk and
-            // dv (contiguous) and adds into all of dq_accum ([b, h, padded_m, head_tile]).
+            // lse, delta, dk_map, dv_map, dq_accum, states, dense, ids, args)`. q, k, v and
+            // grad_out are read through the maps, which cover exactly their layouts; lse and
+            // delta rows below m; the mask's buffers as in the forward. The kernel writes dk and
+            // dv through their maps (exactly the contiguous [b, hk, n, d] / [.., dv] buffers) and
+            // adds into all of dq_accum ([b, h, padded_m, head_tile]).
             unsafe {
                 kernel.launch(cfg, |a_| {
-                    for map in maps {
+                    let [q_map, k_map, v_map, g_map, dk_map, dv_map] = maps;
+                    for map in [q_map, k_map, v_map, g_map] {
                         a_.arg(map);
                     }
-                    a_.arg(&lv).arg(&delta).arg(&dk).arg(&dv).arg(acc);
+                    a_.arg(&lv).arg(&delta).arg(dk_map).arg(dv_map).arg(acc);
                     views.push(a_);
                     a_.arg(&a);
                 })?;
@@ -902,6 +912,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             run(Pass::Dkdv)?;
         }
     }
+    drop((dk_guard, dv_guard)); // every launch is queued
     let wrap = |s: CudaSlice<T>, like: &Tensor| {
         Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),

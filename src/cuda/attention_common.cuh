@@ -193,15 +193,40 @@ struct MaskView {
         first = (a.mask.doc_causal ? j_first : document_of(j_first).x) / BQ;
         last = document_of(j_last).y / BQ;
     }
-    __device__ __forceinline__ uint8_t runs_tile_state(int64_t qt, int64_t kt) const {
+    // MASK_RUNS: what one span of positions (a query tile's rows, or a key tile's keys) sees of
+    // the other side, loaded once: together the span sees [lo, hi], each position all of
+    // [full_lo, full_hi]. `ragged`: the span's tile reaches past m (n), so no tile of it is full.
+    struct RunSpan {
+        int64_t lo, hi, full_lo, full_hi;
+        bool ragged;
+        // The state of the tile of this span and the other side's tile [x0, x0 + len) (len its
+        // tile size, the tile clamped to `count` positions).
+        __device__ __forceinline__ uint8_t state(int64_t x0, int len, int64_t count) const {
+            const int64_t x1 = min(x0 + len, count) - 1;
+            if (x0 > x1 || x1 < lo || x0 > hi) return TILE_EMPTY;
+            const bool full = !ragged && x0 + len <= count && x0 >= full_lo && x1 <= full_hi;
+            return full ? TILE_FULL : TILE_PARTIAL;
+        }
+    };
+    // The keys that query tile qt's rows see: first(r0) .. last(r1); each row sees the keys
+    // first(r1) .. last(r0).
+    __device__ __forceinline__ RunSpan runs_rows_span(int64_t qt) const {
         const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
+        if (r0 > r1) return RunSpan{1, 0, 1, 0, true};
+        return RunSpan{document_of(r0).x, runs_last_key(r1), document_of(r1).x, runs_last_key(r0), r0 + BQ > a.m};
+    }
+    // The queries that see key tile kt's keys: first query of c0 .. last query of c1; each key
+    // is seen by the queries first query of c1 .. last query of c0 (a key's queries run from
+    // itself when causal, else from its document's first position, to its document's last).
+    __device__ __forceinline__ RunSpan runs_keys_span(int64_t kt) const {
         const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
-        if (r0 > r1 || c0 > c1) return TILE_EMPTY;
-        // The keys the rows see together: [first(r0), last(r1)]; each row sees them all when
-        // first(r1) <= c0 and c1 <= last(r0).
-        if (c1 < document_of(r0).x || c0 > runs_last_key(r1)) return TILE_EMPTY;
-        const bool full = c0 >= document_of(r1).x && c1 <= runs_last_key(r0) && c0 + BK <= a.n && r0 + BQ <= a.m;
-        return full ? TILE_FULL : TILE_PARTIAL;
+        if (c0 > c1) return RunSpan{1, 0, 1, 0, true};
+        const int2 d0 = document_of(c0), d1 = document_of(c1);
+        const bool causal = a.mask.doc_causal;
+        return RunSpan{causal ? c0 : d0.x, d1.y, causal ? c1 : d1.x, d0.y, c0 + BK > a.n};
+    }
+    __device__ __forceinline__ uint8_t runs_tile_state(int64_t qt, int64_t kt) const {
+        return runs_rows_span(qt).state(kt * BK, BK, a.n);
     }
 
     // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.

@@ -173,6 +173,16 @@ template <int MASKS> struct KernelMask {
     __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
 };
 
+// The TMA copy of shared memory at src into the box at coordinates c0 .. c3 of a 4-d tensor map
+// (elements past the tensor's bounds are not written), committed as a bulk group.
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+        "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+        : "memory");
+}
+
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
@@ -285,8 +295,12 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // row0 + (r / 2) * 8, column nt * 8 + 2 t + r % 2 (the mma.sync layout, per warp).
     const int64_t row0 = qt * BQ + warp * 16 + g;
 
-    // The state of key tile kt for this consumer's rows (empty past the walk's end).
+    // The state of key tile kt for this consumer's rows (empty past the walk's end). Documents
+    // in runs: from the keys the rows see, loaded once.
+    [[maybe_unused]] MaskView::RunSpan rows_span{};
+    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_rows_span(active ? qt : a.row_tiles);
     auto state_of = [&](int64_t kt) -> uint8_t {
+        if constexpr (MASKS == RUNS) return kt < a.col_tiles ? rows_span.state(kt * BK, BK, a.n) : TILE_EMPTY;
         return active && kt < a.col_tiles ? mask.tile_state(h, qt, kt) : TILE_EMPTY;
     };
     // Before the turn of the walk's tile `index` (key tile kt, in `state` for this consumer's
@@ -539,11 +553,13 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 //   order]: entry ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row
 //   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; it sums dS K, which
 //   dq_rows scales into dq.
-// dk = scale * dK and dv = dV are stored at the end (rows below n, columns below d / dv).
+// dk = scale * dK and dv = dV go at the end into the warpgroup's own K and V tiles (the same
+// swizzled layout) and from there to dk_map / dv_map (as k_map, over dk and dv) by TMA stores,
+// which write rows below n and columns below d / dv only.
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
                                             const TensorMap* do_map, const float* __restrict__ lse,
-                                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                                            const float* __restrict__ delta, const TensorMap* dk_map, const TensorMap* dv_map,
                                             float* __restrict__ dq_accum, const uint8_t* states, const uint8_t* dense,
                                             const int64_t* ids, const AttentionArgs& a) {
     using L = BackwardLayout<D>;
@@ -699,6 +715,9 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
 #pragma unroll
     for (int e = 0; e < D / 2; ++e) dk_acc[e] = dv_acc[e] = 0.f;
     const int64_t key0 = kt * BK + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    // Documents in runs: the queries that see this warpgroup's keys, loaded once.
+    [[maybe_unused]] MaskView::RunSpan keys_span{};
+    if constexpr (MASKS == RUNS) keys_span = mask.view.runs_keys_span(kt);
     // Descriptors, computed once: a descriptor plus n addresses the tile n * 16 bytes further on
     // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
     const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
@@ -714,7 +733,9 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     for (int index = 0; item.head < groups; ++index) {
         const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
         const int64_t h = h0 + item.head, qt = item.qt, i0 = qt * BQ;
-        const uint8_t state = state_of(h, qt, kt);
+        uint8_t state;
+        if constexpr (MASKS == RUNS) state = keys_span.state(i0, BQ, a.m);
+        else state = state_of(h, qt, kt);
         // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
         // i0 + nt * 8 + 2 t + r % 2) the mask keeps (none of an empty tile: its products run,
         // and add zeros).
@@ -862,19 +883,29 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     }
     if (wtid == 0) bulk_wait_all();  // the last reduction is done with shared memory
 
+    // Every product of the warpgroup has been waited for, and only it reads its K and V tiles:
+    // dk and dv take their place (row r's 16-byte chunk c of a 64-column box at
+    // box * 8192 + r * 128 + (c ^ r % 8) * 16, the layout TMA reads), then go out by TMA.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int64_t key = key0 + half * 8;
-        if (key >= a.n) continue;
-        T* dk_row = dk + (bhk * a.n + key) * a.d;
-        T* dv_row = dv + (bhk * a.n + key) * a.dv;
+        const int row = warp * 16 + g + half * 8;
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
-            const int col = nt * 8 + 2 * t;
-            if (col < a.d)
-                from_float2<T>(dk_row + col, dk_acc[nt * 4 + 2 * half] * a.scale, dk_acc[nt * 4 + 2 * half + 1] * a.scale);
-            if (col < a.dv) from_float2<T>(dv_row + col, dv_acc[nt * 4 + 2 * half], dv_acc[nt * 4 + 2 * half + 1]);
+            const uint32_t at = (nt / 8) * 8192 + row * 128 + (((nt % 8) ^ g) << 4) + 4 * t;
+            st_shared_u32(sk + at, pack2<T>(dk_acc[nt * 4 + 2 * half] * a.scale, dk_acc[nt * 4 + 2 * half + 1] * a.scale));
+            st_shared_u32(sv + at, pack2<T>(dv_acc[nt * 4 + 2 * half], dv_acc[nt * 4 + 2 * half + 1]));
         }
+    }
+    fence_async_shared();
+    named_sync(DS_BARRIER + wg, 128);
+    if (wtid == 0) {
+        const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
+#pragma unroll
+        for (int box = 0; box < D / 64; ++box) {
+            tma_store_4d(dk_map, 64 * box, row, head, entry, sk + box * 8192);
+            tma_store_4d(dv_map, 64 * box, row, head, entry, sv + box * 8192);
+        }
+        bulk_wait_read<0>();  // shared memory stays until the stores have read it
     }
 }
 
@@ -921,14 +952,16 @@ ATTENTION_SM90(__nv_bfloat16, bf16, 128)
 // attention_bwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32,
 // zeroed by the host, which attention_dq_rows_sm90_d*_* then turns into dq) after
 // attention_delta_*; a block of two warpgroups
-// per 128 keys of a (batch entry, kv head); TMA maps of q, k, v and grad_out.
+// per 128 keys of a (batch entry, kv head); TMA maps of q, k, v and grad_out (read) and of dk and
+// dv (written).
 #define ATTENTION_SM90_BWD_MASK(T, RUST, D, KIND, MASKS)                                                          \
     extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1) attention_bwd_sm90_##KIND##_d##D##_##RUST(     \
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,                             \
         const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map, const float* lse,          \
-        const float* delta, T* dk, T* dv, float* dq_accum, const uint8_t* states, const uint8_t* dense,               \
+        const float* delta, const __grid_constant__ TensorMap dk_map, const __grid_constant__ TensorMap dv_map,      \
+        float* dq_accum, const uint8_t* states, const uint8_t* dense,                                                 \
         const int64_t* ids, AttentionArgs a) {                                                                        \
-        backward_ws<T, D, MASKS>(&q_map, &k_map, &v_map, &do_map, lse, delta, dk, dv, dq_accum, states, dense,    \
+        backward_ws<T, D, MASKS>(&q_map, &k_map, &v_map, &do_map, lse, delta, &dk_map, &dv_map, dq_accum, states, dense,    \
                                      ids, a);                                                                         \
     }
 #define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
