@@ -62,7 +62,9 @@ pub struct AttentionOptions {
 ///   kernels (`wgmma`) instead of the portable ones (`mma.sync`, sm_80 and up); the environment
 ///   variable `CANDLE_FASTOPS_ATTENTION_KERNELS=sm90` or `=portable`, read once per process,
 ///   picks one over the default. Both give the same results within the tolerances above; they
-///   are not bit-identical to each other.
+///   are not bit-identical to each other. The Hopper kernels read a document mask whose ids form
+///   one contiguous run each as runs (the fast path for packed sequences);
+///   `CANDLE_FASTOPS_ATTENTION_RUNS=0` makes them read its tile states instead, for comparisons.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
