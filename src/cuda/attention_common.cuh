@@ -152,50 +152,38 @@ struct MaskView {
         const uint64_t r = static_cast<uint64_t>(__ldg(ids + b * a.n + p));
         return make_int2(static_cast<int>(r & 0xffffffffu), static_cast<int>(r >> 32));
     }
-    __device__ __forceinline__ int64_t runs_last_key(int64_t i) const {
-        return a.mask.doc_causal ? i : document_of(i).y;
-    }
-    __device__ __forceinline__ void runs_key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
-        if (i >= a.m) {
-            clamp_run(0, -1, j0, len, lo, hi);
-            return;
+    // The run of the other side that position p (below m == n) sees: as a query its keys, as a
+    // key its queries.
+    __device__ __forceinline__ int2 runs_seen(int64_t p, bool as_query) const {
+        int2 run = document_of(p);
+        if (a.mask.doc_causal) {
+            if (as_query) run.y = static_cast<int>(p);
+            else run.x = static_cast<int>(p);
         }
-        const int2 doc = document_of(i);
-        clamp_run(doc.x, a.mask.doc_causal ? i : doc.y, j0, len, lo, hi);
+        return run;
     }
-    __device__ __forceinline__ void runs_query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
-        if (j >= a.n) {
-            clamp_run(0, -1, i0, len, lo, hi);
-            return;
-        }
-        const int2 doc = document_of(j);
-        clamp_run(a.mask.doc_causal ? j : doc.x, doc.y, i0, len, lo, hi);
+    // What position p sees of the other side's base .. base + len - 1, as offsets [lo, hi]
+    // (key_run / query_run of a generated mask; nothing past m == n).
+    __device__ __forceinline__ void runs_run(int64_t p, bool as_query, int64_t base, int len, int& lo, int& hi) const {
+        const int2 run = p < a.n ? runs_seen(p, as_query) : make_int2(0, -1);
+        clamp_run(run.x, run.y, base, len, lo, hi);
     }
-    __device__ __forceinline__ void runs_key_tiles(int64_t i_first, int64_t i_last, int64_t& first,
-                                                   int64_t& last) const {
-        i_last = min(i_last, a.m - 1);
-        if (i_first > i_last) {
+    // The tiles of `tile` positions holding what positions p_first .. p_last see together
+    // (key_tiles / query_tiles_of of a generated mask; first > last when none).
+    __device__ __forceinline__ void runs_tiles(int64_t p_first, int64_t p_last, bool as_query, int tile,
+                                               int64_t& first, int64_t& last) const {
+        p_last = min(p_last, a.n - 1);
+        if (p_first > p_last) {
             first = 0;
             last = -1;
             return;
         }
-        first = document_of(i_first).x / BK;
-        last = runs_last_key(i_last) / BK;
+        first = runs_seen(p_first, as_query).x / tile;
+        last = runs_seen(p_last, as_query).y / tile;
     }
-    __device__ __forceinline__ void runs_query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
-                                                        int64_t& last) const {
-        j_last = min(j_last, a.n - 1);
-        if (j_first > j_last) {
-            first = 0;
-            last = -1;
-            return;
-        }
-        first = (a.mask.doc_causal ? j_first : document_of(j_first).x) / BQ;
-        last = document_of(j_last).y / BQ;
-    }
-    // MASK_RUNS: what one span of positions (a query tile's rows, or a key tile's keys) sees of
-    // the other side, loaded once: together the span sees [lo, hi], each position all of
-    // [full_lo, full_hi]. `ragged`: the span's tile reaches past m (n), so no tile of it is full.
+    // What one span of positions (a query tile's rows, or a key tile's keys) sees of the other
+    // side, loaded once: together the span sees [lo, hi], each position all of [full_lo,
+    // full_hi]. `ragged`: the span's tile reaches past m (n), so no tile of it is full.
     struct RunSpan {
         int64_t lo, hi, full_lo, full_hi;
         bool ragged;
@@ -208,25 +196,13 @@ struct MaskView {
             return full ? TILE_FULL : TILE_PARTIAL;
         }
     };
-    // The keys that query tile qt's rows see: first(r0) .. last(r1); each row sees the keys
-    // first(r1) .. last(r0).
-    __device__ __forceinline__ RunSpan runs_rows_span(int64_t qt) const {
-        const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
-        if (r0 > r1) return RunSpan{1, 0, 1, 0, true};
-        return RunSpan{document_of(r0).x, runs_last_key(r1), document_of(r1).x, runs_last_key(r0), r0 + BQ > a.m};
-    }
-    // The queries that see key tile kt's keys: first query of c0 .. last query of c1; each key
-    // is seen by the queries first query of c1 .. last query of c0 (a key's queries run from
-    // itself when causal, else from its document's first position, to its document's last).
-    __device__ __forceinline__ RunSpan runs_keys_span(int64_t kt) const {
-        const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
-        if (c0 > c1) return RunSpan{1, 0, 1, 0, true};
-        const int2 d0 = document_of(c0), d1 = document_of(c1);
-        const bool causal = a.mask.doc_causal;
-        return RunSpan{causal ? c0 : d0.x, d1.y, causal ? c1 : d1.x, d0.y, c0 + BK > a.n};
-    }
-    __device__ __forceinline__ uint8_t runs_tile_state(int64_t qt, int64_t kt) const {
-        return runs_rows_span(qt).state(kt * BK, BK, a.n);
+    // The span of tile t (of `tile` positions, queries or keys): its positions p0 .. p1 see
+    // seen(p0).x .. seen(p1).y together, and each sees seen(p1).x .. seen(p0).y.
+    __device__ __forceinline__ RunSpan runs_span(int64_t t, int tile, bool as_query) const {
+        const int64_t p0 = t * tile, p1 = min(p0 + tile, a.n) - 1;
+        if (p0 > p1) return RunSpan{1, 0, 1, 0, true};
+        const int2 s0 = runs_seen(p0, as_query), s1 = runs_seen(p1, as_query);
+        return RunSpan{s0.x, s1.y, s1.x, s0.y, p0 + tile > a.n};
     }
 
     // Whether query i of head h sees key j; false outside 0 <= i < m, 0 <= j < n.
@@ -238,8 +214,8 @@ struct MaskView {
         case AC::MASK_CAUSAL: return j <= pos;
         case AC::MASK_WINDOW: return j <= pos && pos - j < a.mask.window;
         case AC::MASK_RUNS: {
-            const int2 doc = document_of(i);
-            return j >= doc.x && j <= (a.mask.doc_causal ? i : doc.y);
+            const int2 keys = runs_seen(i, true);
+            return j >= keys.x && j <= keys.y;
         }
         case AC::MASK_DOCUMENTS: {
             const int64_t* row = ids + b * a.m;

@@ -150,24 +150,24 @@ enum MaskFamily { FORMULA, RUNS, STORED };
 template <int MASKS> struct KernelMask {
     MaskView view;
     __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
-        if constexpr (MASKS == RUNS) return view.runs_tile_state(qt, kt);
+        if constexpr (MASKS == RUNS) return view.runs_span(qt, BQ, true).state(kt * BK, BK, view.a.n);
         return view.tile_state(h, qt, kt);
     }
     __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
-        if constexpr (MASKS == RUNS) view.runs_key_run(i, j0, len, lo, hi);
+        if constexpr (MASKS == RUNS) view.runs_run(i, true, j0, len, lo, hi);
         else view.key_run(i, j0, len, lo, hi);
     }
     __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
-        if constexpr (MASKS == RUNS) view.runs_query_run(j, i0, len, lo, hi);
+        if constexpr (MASKS == RUNS) view.runs_run(j, false, i0, len, lo, hi);
         else view.query_run(j, i0, len, lo, hi);
     }
     __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
-        if constexpr (MASKS == RUNS) view.runs_key_tiles(i_first, i_last, first, last);
+        if constexpr (MASKS == RUNS) view.runs_tiles(i_first, i_last, true, BK, first, last);
         else view.key_tiles(i_first, i_last, first, last);
     }
     __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
                                                    int64_t& last) const {
-        if constexpr (MASKS == RUNS) view.runs_query_tiles_of(j_first, j_last, first, last);
+        if constexpr (MASKS == RUNS) view.runs_tiles(j_first, j_last, false, BQ, first, last);
         else view.query_tiles_of(j_first, j_last, first, last);
     }
     __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
@@ -298,7 +298,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // The state of key tile kt for this consumer's rows (empty past the walk's end). Documents
     // in runs: from the keys the rows see, loaded once.
     [[maybe_unused]] MaskView::RunSpan rows_span{};
-    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_rows_span(active ? qt : a.row_tiles);
+    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_span(active ? qt : a.row_tiles, BQ, true);
     auto state_of = [&](int64_t kt) -> uint8_t {
         if constexpr (MASKS == RUNS) return kt < a.col_tiles ? rows_span.state(kt * BK, BK, a.n) : TILE_EMPTY;
         return active && kt < a.col_tiles ? mask.tile_state(h, qt, kt) : TILE_EMPTY;
@@ -717,7 +717,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int64_t key0 = kt * BK + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
     // Documents in runs: the queries that see this warpgroup's keys, loaded once.
     [[maybe_unused]] MaskView::RunSpan keys_span{};
-    if constexpr (MASKS == RUNS) keys_span = mask.view.runs_keys_span(kt);
+    if constexpr (MASKS == RUNS) keys_span = mask.view.runs_span(kt, BK, false);
     // Descriptors, computed once: a descriptor plus n addresses the tile n * 16 bytes further on
     // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
     const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
