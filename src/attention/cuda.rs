@@ -490,8 +490,9 @@ const HOPPER_BWD_WARPGROUPS: usize = 2;
 /// The Hopper backward kernel of a mask and head tile, and its launch: a block of
 /// `HOPPER_BWD_WARPGROUPS` warpgroups per as many key tiles of a (batch, kv head); shared memory
 /// for its mbarriers, a K and a V tile per warpgroup, `HOPPER_BWD_STAGES_D*` stages of a Q and a
-/// dO tile, and per warpgroup a dSᵀ tile, the statistics of two items and a dQ tile (64 x
-/// `head_tile` f32) (mirrors `BackwardLayout` of the kernel, which traps when given less).
+/// dO tile, and per warpgroup two dSᵀ tiles, the statistics of two items and a dQ column half
+/// (64 x `head_tile / 2` f32) (mirrors `BackwardLayout` of the kernel, which traps when given
+/// less).
 fn hopper_backward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
@@ -504,7 +505,7 @@ fn hopper_backward_kernel<T: WithDType>(
     let warpgroups = HOPPER_BWD_WARPGROUPS;
     let shared = C::HOPPER_BARRIER_BYTES
         + (2 * warpgroups + 2 * stages) * tile
-        + warpgroups * (TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4 + TILE_Q * head_tile * 4);
+        + warpgroups * (2 * TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4 + TILE_Q * head_tile / 2 * 4);
     let kernel = hopper_kernel::<T>(dev, "attention_bwd_sm90", mask, head_tile, shared)?;
     let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K * warpgroups);
     let cfg = LaunchConfig {

@@ -486,14 +486,15 @@ template <int D> struct BackwardLayout {
     static_assert(8 * (STAGES + 1) + 4 * STAGES <= BARRIER_BYTES, "the mbarriers and counters fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
     // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile;
-    // then per warpgroup a dSᵀ tile (64 x 64), two buffers (alternate items) of the 64
-    // log-sum-exps (log2 units) and deltas of an item, and its dQ tile (64 x D f32: two column
-    // halves in fragment order) on its way to dq_accum.
+    // then two buffers (alternate items) of each warpgroup's dSᵀ tile (64 x 64: buffer p of
+    // warpgroup c at DS + (2 p + c) DS_BYTES), per warpgroup two buffers (alternate items) of the
+    // 64 log-sum-exps (log2 units) and deltas of an item, and its dQ column half (64 x D / 2 f32
+    // in fragment order) on its way to dq_accum.
     static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + BWD_WARPGROUPS * 2 * BYTES;
     static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BYTES = 64 * 64 * 2;
-    static constexpr int STATS = DS + BWD_WARPGROUPS * DS_BYTES, STATS_BYTES = 2 * 2 * 64 * 4;
+    static constexpr int STATS = DS + 2 * BWD_WARPGROUPS * DS_BYTES, STATS_BYTES = 2 * 2 * 64 * 4;
     static constexpr int DQ = STATS + BWD_WARPGROUPS * STATS_BYTES, DQ_HALF_BYTES = 64 * D / 2 * 4;
-    static constexpr int SHARED = DQ + BWD_WARPGROUPS * 2 * DQ_HALF_BYTES;
+    static constexpr int SHARED = DQ + BWD_WARPGROUPS * DQ_HALF_BYTES;
     static_assert(SHARED <= 227 * 1024, "the layout fits an SM's shared memory");
 };
 
@@ -530,9 +531,9 @@ template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
 // ... or are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Named barriers of warpgroup c: DQ_BARRIER + c when its dQ tile is staged, DS_BARRIER + c when
-// its dSᵀ tile is.
-constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
+// Named barriers: DQ_BARRIER + c when warpgroup c's dQ half is staged, DS_BARRIER + c when its
+// dk / dv are; BOTH_DS_BARRIER (the block) when both dSᵀ tiles of an item are.
+constexpr int DQ_BARRIER = 1, DS_BARRIER = 3, BOTH_DS_BARRIER = 5;
 
 // The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
 // tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
@@ -545,14 +546,13 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3;
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
 //   Pᵀ = exp2(Sᵀ scale_log2 - lse2) (0 where the mask hides), dSᵀ = Pᵀ (dPᵀ - delta),
 //   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
-//   dSᵀ to shared memory; then dQ = dS K over the warpgroup's 64 keys, in two head-dim halves
-//   (A and B MN-major), added into dq_accum by a bulk reduction, so the order of the additions
-//   varies run to run (the deterministic backward stays portable). The warpgroups share only the
-//   Q / dO stages, so one may run up to an item behind the other, its exponentials under the
-//   other's products. dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment
-//   order]: entry ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row
-//   warp * 16 + g + (r / 2) * 8, column 8 nt + 2 t + r % 2 of the half; it sums dS K, which
-//   dq_rows scales into dq.
+//   dSᵀ to shared memory (two buffers, alternate items); once both warpgroups' dSᵀ tiles are
+//   there (a block barrier an item), warpgroup c computes head-dim half c of dQ = dS K over the
+//   block's 128 keys (A and B MN-major) and adds it into dq_accum by a bulk reduction, so the
+//   order of the additions varies run to run (the deterministic backward stays portable).
+//   dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment order]: entry
+//   ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row warp * 16 + g + (r / 2) * 8,
+//   column 8 nt + 2 t + r % 2 of the half; it sums dS K, which dq_rows scales into dq.
 // dk = scale * dK and dv = dV go at the end into the warpgroup's own K and V tiles (the same
 // swizzled layout) and from there to dk_map / dv_map (as k_map, over dk and dv) by TMA stores,
 // which write rows below n and columns below d / dv only.
@@ -575,7 +575,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid % 128) / 32, 0);
     const int wtid = tid % 128;  // the thread in its warpgroup
     const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES;
-    const uint32_t sds = base + L::DS + wg * L::DS_BYTES, dq_stage = base + L::DQ + wg * 2 * L::DQ_HALF_BYTES;
+    const uint32_t dq_stage = base + L::DQ + wg * L::DQ_HALF_BYTES;
 
     // The block: keys j0 .. j0 + 127 of (b, hk); the keys most queries see first (causal masks).
     const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
@@ -722,11 +722,13 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
     const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
     const uint64_t q_kmajor = kmajor_sw128(base + L::STAGE0, 0), q_mnmajor = mnmajor_sw128(base + L::STAGE0, 0);
-    const uint64_t ds_mnmajor = mnmajor_sw128(sds, 0);
-    // dQ's B: this warpgroup's K tile, column half `half` kq_half further on (the second
-    // 64-column box at D = 128, 64 bytes into the swizzled rows at D = 64).
-    const uint64_t kq_mnmajor = mnmajor_sw128(sk, 0);
-    constexpr uint32_t kq_half = (D == 128 ? 8192 : DQ_COLS * 2) / 16;
+    // dQ's A: warpgroup c's dSᵀ tile of buffer p, ds_step(p, c) further on; its B: warpgroup c's
+    // K tile, kv_step(c) further on, from this warpgroup's column half (the second 64-column box
+    // at D = 128, 64 bytes into the swizzled rows at D = 64).
+    const uint64_t ds_mnmajor = mnmajor_sw128(base + L::DS, 0);
+    const uint64_t kq_mnmajor = mnmajor_sw128(base + L::KV, 0) + wg * ((D == 128 ? 8192 : DQ_COLS * 2) / 16);
+    auto ds_step = [](int p, int c) -> uint32_t { return (2 * p + c) * (L::DS_BYTES / 16); };
+    auto kv_step = [](int c) -> uint32_t { return c * (2 * BYTES / 16); };
     auto kstep = [](int kk) -> uint32_t { return (kk / 4) * (8192 / 16) + (kk % 4) * 2; };
     auto mnstep = [](int kk) -> uint32_t { return kk * (2048 / 16); };
     if (any_item) mbarrier_wait(kv_bar, 0);
@@ -825,7 +827,10 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         for (int kk = 0; kk < 4; ++kk) wgmma_pv<T, D>(dk_acc, dsf[kk], q_mn + mnstep(kk));
         wgmma_commit();
         // dSᵀ (keys x queries) into shared memory in the 128-byte swizzle: word w of step kk is
-        // key row warp * 16 + g + (w % 2) * 8, query columns 8 (2 kk + w / 2) + 2 t, + 1.
+        // key row warp * 16 + g + (w % 2) * 8, query columns 8 (2 kk + w / 2) + 2 t, + 1. The
+        // buffer was last read by the item before the previous one, whose dQ products both
+        // warpgroups waited for before the previous item's block barrier.
+        const uint32_t sds = base + L::DS + (2 * (index & 1) + wg) * L::DS_BYTES;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -838,36 +843,37 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         // The next item's statistics, into the buffer the previous item read (before this
         // barrier, which every warp of the warpgroup passed that item's reads to reach).
         store_stats(stats + ((index + 1) & 1) * 128, next_stats);
-        // The previous item's reduction has read the dQ tile this item writes (its issuing thread
+        // The previous item's reduction has read the dQ half this item writes (its issuing thread
         // waits here, before the barrier the writers pass).
         if (wtid == 0) bulk_wait_read<0>();
         fence_async_shared();
-        named_sync(DS_BARRIER + wg, 128);  // the warpgroup's dSᵀ tile is written
-        // dQ over the warpgroup's 64 keys, one head-dim half at a time (fewer registers), each
-        // staged in fragment order (thread (warp, lane)'s 8-column tile nt as a float4 at
-        // ((warp * DQ_COLS / 8 + nt) * 32 + lane) * 16 bytes of the half), then the tile is added
-        // into its block of dq_accum (the same order) by one bulk reduction that the TMA unit
-        // runs while the warpgroup goes on.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        named_sync(BOTH_DS_BARRIER, BWD_THREADS);  // both warpgroups' dSᵀ tiles are written
+        // This warpgroup's head-dim half of dQ over the block's 128 keys, staged in fragment order
+        // (thread (warp, lane)'s 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 +
+        // lane) * 16 bytes), then added into its half of the item's block of dq_accum (the same
+        // order) by one bulk reduction that the TMA unit runs while the warpgroup goes on.
+        {
             float dq[DQ_COLS / 2];
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + mnstep(kk), kq_mnmajor + half * kq_half + mnstep(kk), kk > 0);
+            for (int c = 0; c < BWD_WARPGROUPS; ++c)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + ds_step(index & 1, c) + mnstep(kk),
+                                         kq_mnmajor + kv_step(c) + mnstep(kk), c > 0 || kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();  // (dV, dK and) this half of dQ
+            wgmma_wait<0>();  // (dV, dK and) dQ
 #pragma unroll
             for (int nt = 0; nt < DQ_COLS / 8; ++nt)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + half * L::DQ_HALF_BYTES + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
                              "f"(dq[nt * 4]), "f"(dq[nt * 4 + 1]), "f"(dq[nt * 4 + 2]), "f"(dq[nt * 4 + 3])
                              : "memory");
         }
         fence_async_shared();
         named_sync(DQ_BARRIER + wg, 128);
         if (wtid == 0) {
-            float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D);
-            bulk_reduce_add(block_dq, dq_stage, 2 * L::DQ_HALF_BYTES);
+            float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D) + wg * (64 * DQ_COLS);
+            bulk_reduce_add(block_dq, dq_stage, L::DQ_HALF_BYTES);
         }
         if (warp == COPY_WARP) {
             // The warpgroup is done with the stage (every warp passed DQ_BARRIER after its last
@@ -882,6 +888,8 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         item = item_next;
     }
     if (wtid == 0) bulk_wait_all();  // the last reduction is done with shared memory
+    // Both warpgroups' last dQ products, which read both K tiles, are done.
+    named_sync(BOTH_DS_BARRIER, BWD_THREADS);
 
     // Every product of the warpgroup has been waited for, and only it reads its K and V tiles:
     // dk and dv take their place (row r's 16-byte chunk c of a 64-column box at
