@@ -645,9 +645,10 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     };
     // An item's statistics, loaded an item ahead into two registers and stored to shared memory
     // (log-sum-exps in log2 units, +inf where the row sees no key or lies past m, so that its
-    // probabilities are 0; deltas) at the end of the item before. At D = 64 each thread of the
-    // warpgroup loads one (entry wtid) and converts it when storing; at D = 128 threads 0 .. 63
-    // load both of row wtid at once (each the faster there: BENCHMARKS.md, session 22).
+    // probabilities are 0; deltas) at the end of the item before, converted only then (a
+    // conversion at the load would wait for it there). At D = 64 each thread of the warpgroup
+    // loads one (entry wtid); at D = 128 threads 0 .. 63 load both of row wtid at once (each the
+    // faster there: BENCHMARKS.md, session 22).
     constexpr bool STATS_BY_EVERY_THREAD = D == 64;
     auto load_stats = [&](Item it) -> float2 {
         const int64_t row = static_cast<int64_t>(it.qt) * BQ + wtid % 64;
@@ -656,9 +657,8 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         if constexpr (STATS_BY_EVERY_THREAD) {
             return make_float2(none ? (wtid < 64 ? -INFINITY : 0.f) : (wtid < 64 ? lse[at] : delta[at]), 0.f);
         } else {
-            if (wtid >= 64 || none) return make_float2(INFINITY, 0.f);
-            const float l = lse[at];
-            return make_float2(l == -INFINITY ? INFINITY : l * LOG2E, delta[at]);
+            if (wtid >= 64 || none) return make_float2(-INFINITY, 0.f);
+            return make_float2(lse[at], delta[at]);
         }
     };
     auto store_stats = [&](float* to, float2 loaded) {
@@ -666,7 +666,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             const float x = loaded.x;
             to[wtid] = wtid >= 64 ? x : (x == -INFINITY ? INFINITY : x * LOG2E);
         } else if (wtid < 64) {
-            to[wtid] = loaded.x;
+            to[wtid] = loaded.x == -INFINITY ? INFINITY : loaded.x * LOG2E;
             to[64 + wtid] = loaded.y;
         }
     };
