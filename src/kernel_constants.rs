@@ -143,7 +143,7 @@ pub mod attention {
     /// Shared-memory stages of Q / dO tiles in the Hopper backward, at head tiles 64 and 128
     /// (beside a block's K / V and dSᵀ tiles).
     pub const HOPPER_BWD_STAGES_D64: usize = 3;
-    pub const HOPPER_BWD_STAGES_D128: usize = 2;
+    pub const HOPPER_BWD_STAGES_D128: usize = 3;
     /// Mask kinds.
     pub const MASK_FULL: i32 = 0;
     pub const MASK_CAUSAL: i32 = 1;

@@ -53,15 +53,9 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-// A 32-bit word of shared memory: a plain store, and an atomic add (acquire-release at block
-// scope) returning the old value.
+// A 32-bit store to shared memory.
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
-}
-__device__ __forceinline__ uint32_t atomic_add_acq_rel_shared(uint32_t addr, uint32_t value) {
-    uint32_t old;
-    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(value) : "memory");
-    return old;
 }
 // Named barriers (bar.sync / bar.arrive on barrier `id` for `threads` threads).
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -483,7 +483,7 @@ constexpr int BWD_THREADS = 128 * BWD_WARPGROUPS, BWD_KEYS = 64 * BWD_WARPGROUPS
 
 template <int D> struct BackwardLayout {
     static constexpr int STAGES = D == 64 ? AC::HOPPER_BWD_STAGES_D64 : AC::HOPPER_BWD_STAGES_D128;
-    static_assert(8 * (STAGES + 1) + 4 * STAGES <= BARRIER_BYTES, "the mbarriers and counters fit before the tiles");
+    static_assert(8 * (STAGES + 1) <= BARRIER_BYTES, "the mbarriers fit before the tiles");
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
     // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile;
     // then two buffers (alternate items) of each warpgroup's dSᵀ tile (64 x 64: buffer p of
@@ -531,16 +531,16 @@ template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
 // ... or are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Named barriers: DQ_BARRIER + c when warpgroup c's dQ half is staged, DS_BARRIER + c when its
-// dk / dv are; BOTH_DS_BARRIER (the block) when both dSᵀ tiles of an item are.
-constexpr int DQ_BARRIER = 1, DS_BARRIER = 3, BOTH_DS_BARRIER = 5;
+// Named barriers: DS_BARRIER + c when warpgroup c's dk / dv are staged; BOTH_DS_BARRIER (the
+// block) when both dSᵀ tiles of an item are.
+constexpr int DS_BARRIER = 3, BOTH_DS_BARRIER = 5;
 
 // The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
 // tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
 // group, query tile) whose mask tile is not empty for either key tile, streaming each item's Q
 // and dO tiles by TMA through STAGES stages (q_map, do_map: as k_map, 64 x 64 boxes in the
-// 128-byte swizzle, zeros past m and d) that both warpgroups read; the second warpgroup done with
-// a stage refills it. Per item, each warpgroup
+// 128-byte swizzle, zeros past m and d) that both warpgroups read; a stage is refilled once the
+// block barrier of the item after its own shows every warp done with it. Per item, each warpgroup
 // with accumulator rows its 64 keys and columns the item's 64 queries (thread layout as in the
 // forward):
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, operands K-major in shared memory),
@@ -548,8 +548,9 @@ constexpr int DQ_BARRIER = 1, DS_BARRIER = 3, BOTH_DS_BARRIER = 5;
 //   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
 //   dSᵀ to shared memory (two buffers, alternate items); once both warpgroups' dSᵀ tiles are
 //   there (a block barrier an item), warpgroup c computes head-dim half c of dQ = dS K over the
-//   block's 128 keys (A and B MN-major) and adds it into dq_accum by a bulk reduction, so the
-//   order of the additions varies run to run (the deterministic backward stays portable).
+//   block's 128 keys (A and B MN-major) and adds it into dq_accum by bulk reductions (one a
+//   warp, its 16 rows), so the order of the additions varies run to run (the deterministic
+//   backward stays portable).
 //   dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment order]: entry
 //   ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row warp * 16 + g + (r / 2) * 8,
 //   column 8 nt + 2 t + r % 2 of the half; it sums dS K, which dq_rows scales into dq.
@@ -566,7 +567,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     constexpr int STAGES = L::STAGES, BYTES = L::BYTES, DQ_COLS = D / BWD_WARPGROUPS;
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const uint32_t base = shared_address(shared_raw);
-    const uint32_t kv_bar = base, full_bar = base + 8, released = full_bar + 8 * STAGES;
+    const uint32_t kv_bar = base, full_bar = base + 8;
     // This warpgroup's statistics: [2][lse2 64, delta 64].
     float* stats = reinterpret_cast<float*>(shared_raw + L::STATS + (threadIdx.x / 128) * L::STATS_BYTES);
     // The warpgroup and warp indices through a shuffle: the compiler then keeps what derives from
@@ -674,17 +675,14 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     if (dynamic_shared_bytes() < L::SHARED) __trap();  // the host's layout differs from this one
     if (tid == 0) {
         mbarrier_init(kv_bar, 1);
-        for (int st = 0; st < STAGES; ++st) {
-            mbarrier_init(full_bar + 8 * st, 1);
-            st_shared_u32(released + 4 * st, 0);
-        }
+        for (int st = 0; st < STAGES; ++st) mbarrier_init(full_bar + 8 * st, 1);
     }
     __syncthreads();
     Item item = next(before_first);
     const bool any_item = item.head < groups;  // the same for the whole block
-    // Warp COPY_WARP of each warpgroup walks the items to copy (`ahead`) and copies the first
-    // stages (block thread 32 * COPY_WARP); thread 0 copies K / V. (Warp 0 also issues the dQ
-    // reductions; at D = 64 warp 1 copying is the faster.)
+    // Warp COPY_WARP of warpgroup 0 walks the items to copy (`ahead`) and issues their copies
+    // (block thread 32 * COPY_WARP); thread 0 copies K / V. (At D = 64 warp 1 copying is the
+    // faster.)
     constexpr int COPY_WARP = D == 64 ? 1 : 0;  // (measured: BENCHMARKS.md, session 22)
     Item ahead = item;
     if (tid == 0 && any_item) {
@@ -701,7 +699,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             }
         }
     }
-    if (warp == COPY_WARP && any_item) {
+    if (wg == 0 && warp == COPY_WARP && any_item) {
         for (int st = 0; st < STAGES && ahead.head < groups; ++st) {
             if (tid == 32 * COPY_WARP) issue(ahead, st);
             ahead = next(ahead);
@@ -840,18 +838,26 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                              "r"(dsf[kk][w])
                              : "memory");
             }
-        // The next item's statistics, into the buffer the previous item read (before this
-        // barrier, which every warp of the warpgroup passed that item's reads to reach).
+        // The next item's statistics, into the buffer the previous item read (before its block
+        // barrier, which every warp passed after those reads).
         store_stats(stats + ((index + 1) & 1) * 128, next_stats);
-        // The previous item's reduction has read the dQ half this item writes (its issuing thread
-        // waits here, before the barrier the writers pass).
-        if (wtid == 0) bulk_wait_read<0>();
         fence_async_shared();
         named_sync(BOTH_DS_BARRIER, BWD_THREADS);  // both warpgroups' dSᵀ tiles are written
+        // Every warp of the block has waited for the previous item's products, the last readers
+        // of its Q / dO stage: the stage takes the next item to copy.
+        if (wg == 0 && warp == COPY_WARP && index > 0) {
+            if (ahead.head < groups) {
+                if (lane == 0) issue(ahead, (index - 1) % STAGES);
+                ahead = next(ahead);
+            }
+            __syncwarp();
+        }
         // This warpgroup's head-dim half of dQ over the block's 128 keys, staged in fragment order
         // (thread (warp, lane)'s 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 +
-        // lane) * 16 bytes), then added into its half of the item's block of dq_accum (the same
-        // order) by one bulk reduction that the TMA unit runs while the warpgroup goes on.
+        // lane) * 16 bytes), then each warp's rows added into the item's block of dq_accum (the
+        // same order) by a bulk reduction that the TMA unit runs while the warp goes on.
+        constexpr uint32_t WARP_DQ_BYTES = DQ_COLS / 8 * 32 * 16;
+        const uint32_t warp_stage = dq_stage + warp * WARP_DQ_BYTES;
         {
             float dq[DQ_COLS / 2];
             wgmma_fence();
@@ -863,31 +869,25 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                                          kq_mnmajor + kv_step(c) + mnstep(kk), c > 0 || kk > 0);
             wgmma_commit();
             wgmma_wait<0>();  // (dV, dK and) dQ
+            // The warp's previous reduction has read the rows these stores overwrite.
+            if (lane == 0) bulk_wait_read<0>();
+            __syncwarp();
 #pragma unroll
             for (int nt = 0; nt < DQ_COLS / 8; ++nt)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + ((warp * (DQ_COLS / 8) + nt) * 32 + lane) * 16),
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(warp_stage + (nt * 32 + lane) * 16),
                              "f"(dq[nt * 4]), "f"(dq[nt * 4 + 1]), "f"(dq[nt * 4 + 2]), "f"(dq[nt * 4 + 3])
                              : "memory");
         }
         fence_async_shared();
-        named_sync(DQ_BARRIER + wg, 128);
-        if (wtid == 0) {
-            float* block_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D) + wg * (64 * DQ_COLS);
-            bulk_reduce_add(block_dq, dq_stage, L::DQ_HALF_BYTES);
-        }
-        if (warp == COPY_WARP) {
-            // The warpgroup is done with the stage (every warp passed DQ_BARRIER after its last
-            // wgmma wait); the second warpgroup to get here refills it, so neither waits for the
-            // other. A stage's counter is bumped twice a use: the second bump sees an odd value.
-            if (ahead.head < groups) {
-                if (lane == 0 && (atomic_add_acq_rel_shared(released + 4 * stage, 1) & 1)) issue(ahead, stage);
-                ahead = next(ahead);
-            }
-            __syncwarp();
+        __syncwarp();
+        if (lane == 0) {
+            float* warp_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D) + wg * (64 * DQ_COLS) +
+                             warp * (WARP_DQ_BYTES / 4);
+            bulk_reduce_add(warp_dq, warp_stage, WARP_DQ_BYTES);
         }
         item = item_next;
     }
-    if (wtid == 0) bulk_wait_all();  // the last reduction is done with shared memory
+    if (lane == 0) bulk_wait_all();  // the warp's last reduction is done with shared memory
     // Both warpgroups' last dQ products, which read both K tiles, are done.
     named_sync(BOTH_DS_BARRIER, BWD_THREADS);
 
