@@ -611,18 +611,13 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         if constexpr (GENERATED) {
             // Every query tile of [qt_first, qt_last] sees a key of the block (the queries that see
             // one of its keys form one run, the same for every head), so no tile of the range is
-            // empty for both key tiles. At D = 128 the causal / window walk still tests each tile
-            // (no other effect: without the tests the causal 8192 backward measured 8% slower
-            // there, and the d64 one 7% faster; BENCHMARKS.md, session 22).
+            // empty for both key tiles.
             if (qt_first > qt_last) return done;
-            for (;;) {
-                if (++it.qt > qt_last) {
-                    ++it.head;
-                    it.qt = qt_first;
-                }
-                if (it.head >= groups) return done;
-                if (D == 64 || MASKS == RUNS || live(it.head, it.qt)) return it;
+            if (++it.qt > qt_last) {
+                ++it.head;
+                it.qt = qt_first;
             }
+            return it.head >= groups ? done : it;
         } else {
             const int end = groups * row_tiles;
             const int found = static_cast<int>(next_live(it.head * row_tiles + it.qt, end, [&](int64_t c) {
