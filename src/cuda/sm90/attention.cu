@@ -724,7 +724,26 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     auto kv_step = [](int c) -> uint32_t { return c * (2 * BYTES / 16); };
     auto kstep = [](int kk) -> uint32_t { return (kk / 4) * (8192 / 16) + (kk % 4) * 2; };
     auto mnstep = [](int kk) -> uint32_t { return kk * (2048 / 16); };
-    if (any_item) mbarrier_wait(kv_bar, 0);
+    // Sᵀ = K Qᵀ of item `index` (its stage full first) into st, as one commit group, done before
+    // the loop goes on (so ptxas sees each product's whole life in one iteration): the first
+    // item's before the loop, each next one's under the dQ products and the dQ staging of the
+    // item before.
+    static_assert(STAGES >= 3, "item i + 1's stage is not the one refilled during item i");
+    auto issue_scores = [&](float(&st)[32], int index) {
+        const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
+        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
+        const uint64_t q_k = q_kmajor + stage * (2 * BYTES / 16);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(st, k_kmajor + kstep(kk), q_k + kstep(kk), kk > 0);
+        wgmma_commit();
+    };
+    float st[32];
+    if (any_item) {
+        mbarrier_wait(kv_bar, 0);
+        issue_scores(st, 0);
+        wgmma_wait<0>();
+    }
     for (int index = 0; item.head < groups; ++index) {
         const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
         const int64_t h = h0 + item.head, qt = item.qt, i0 = qt * BQ;
@@ -762,26 +781,22 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
         const Item item_next = next(item);
         const float2 next_stats = load_stats(item_next);  // stored at the end of the item
-        mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
 
         // The products in five commit groups, each waited for only where its result is needed:
-        // Sᵀ, dPᵀ; then Pᵀ (while dPᵀ runs) and dV += Pᵀ dO; then dSᵀ (while dV runs) and
-        // dK += dSᵀ Q; dQ once both warpgroups' dSᵀ tiles are in shared memory.
+        // dPᵀ (Sᵀ is done); then Pᵀ (while dPᵀ runs) and dV += Pᵀ dO; then dSᵀ (while dV runs)
+        // and dK += dSᵀ Q; dQ once both warpgroups' dSᵀ tiles are in shared memory, and the next
+        // item's Sᵀ under it.
         const uint32_t stage_step = stage * (2 * BYTES / 16);  // descriptor units: 16 bytes
         const uint64_t q_k = q_kmajor + stage_step, do_k = q_k + BYTES / 16;
         const uint64_t q_mn = q_mnmajor + stage_step, do_mn = q_mn + BYTES / 16;
-        float st[32], dpt[32];
+        float dpt[32];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(st, k_kmajor + kstep(kk), q_k + kstep(kk), kk > 0);
-        wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) wgmma_scores<T>(dpt, v_kmajor + kstep(kk), do_k + kstep(kk), kk > 0);
         wgmma_commit();
 
         const float* item_stats = stats + (index & 1) * 128;
         uint32_t pf[4][4], dsf[4][4];  // Pᵀ and dSᵀ as A fragments of 16 queries each, rounded to T
-        wgmma_wait<1>();               // Sᵀ
         // A hidden score becomes -inf (probability 0) on a tile the mask cuts, outside the
         // exponentials' loop: most tiles are full.
         if (state != TILE_FULL) {
@@ -863,7 +878,13 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                     wgmma_tt<T, DQ_COLS>(dq, ds_mnmajor + ds_step(index & 1, c) + mnstep(kk),
                                          kq_mnmajor + kv_step(c) + mnstep(kk), c > 0 || kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();  // (dV, dK and) dQ
+            if (item_next.head < groups) {
+                wgmma_wait<1>();  // dV and dK (their A fragments are free), dQ may run
+                issue_scores(st, index + 1);
+                wgmma_wait<1>();  // dQ; the next Sᵀ may run
+            } else {
+                wgmma_wait<0>();  // (dV, dK and) dQ
+            }
             // The warp's previous reduction has read the rows these stores overwrite.
             if (lane == 0) bulk_wait_read<0>();
             __syncwarp();
@@ -880,6 +901,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
                              warp * (WARP_DQ_BYTES / 4);
             bulk_reduce_add(warp_dq, warp_stage, WARP_DQ_BYTES);
         }
+        wgmma_wait<0>();  // the next item's Sᵀ (unconditional, so that ptxas sees it done)
         item = item_next;
     }
     if (lane == 0) bulk_wait_all();  // the warp's last reduction is done with shared memory
