@@ -531,9 +531,9 @@ template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
 // ... or are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Named barriers: DS_BARRIER + c when warpgroup c's dk / dv are staged; BOTH_DS_BARRIER (the
+// Named barriers: DKV_BARRIER + c when warpgroup c's dk / dv are staged; BOTH_DS_BARRIER (the
 // block) when both dSᵀ tiles of an item are.
-constexpr int DS_BARRIER = 3, BOTH_DS_BARRIER = 5;
+constexpr int DKV_BARRIER = 3, BOTH_DS_BARRIER = 5;
 
 // The backward of 128 keys (two mask tiles) of a (batch entry, kv head): warpgroup c owns key
 // tile 2 kb + c. K and V arrive once by TMA; the block then walks the items (query head of the
@@ -922,7 +922,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         }
     }
     fence_async_shared();
-    named_sync(DS_BARRIER + wg, 128);
+    named_sync(DKV_BARRIER + wg, 128);
     if (wtid == 0) {
         const int row = static_cast<int>(kt * BK), head = static_cast<int>(hk), entry = static_cast<int>(b);
 #pragma unroll
