@@ -186,6 +186,12 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap* map, int c0, int c
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
+// Registers a thread of the stored-mask forward's producer and consumer warpgroups keeps
+// (setmaxnreg; the launch gives each 168): its producer walks the tile states and spills below
+// 56; with 168 its consumers spilled 60 bytes at D = 128 (stored documents 2% slower). The other
+// kernels keep 168 (at 56 / 224 causal masks measured 1% slower: BENCHMARKS.md, session 25).
+constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
+static_assert(128 * (PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) <= 65536, "the register file holds them");
 
 // The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
 // tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 4-d maps
@@ -255,7 +261,9 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     if (wg == 0) {
         // The producer: tile i of the walk into stage i % STAGES, once the consumers have
         // released that stage's previous tile (i - STAGES). Warp 0 walks the tiles (next_live
-        // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do.
+        // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do
+        // (with stored masks the warpgroup gives registers to the consumers first).
+        if constexpr (MASKS == STORED) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
         if (tid >= 32) return;
         int i = 0;
         for (int64_t kt = next(-1); kt < a.col_tiles; kt = next(kt), ++i) {
@@ -276,6 +284,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         return;
     }
 
+    if constexpr (MASKS == STORED) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS) : "memory");
     const int consumer = wg - 1, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int64_t qt = qt0 + consumer;
     const bool active = qt < a.row_tiles;  // false past the last query tile (a partial block)
