@@ -191,7 +191,10 @@ constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
 // 56; with 168 its consumers spilled 60 bytes at D = 128 (stored documents 2% slower). The other
 // kernels keep 168 (at 56 / 224 causal masks measured 1% slower: BENCHMARKS.md, session 25).
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
-static_assert(128 * (PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) <= 65536, "the register file holds them");
+// The split must fit the block's launch allocation: THREADS threads at the 168 registers that
+// __launch_bounds__(THREADS, 1) gives each (setmaxnreg.inc waits for registers the block holds).
+static_assert(128 * (PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) <= THREADS * (65536 / THREADS / 8 * 8),
+              "the block's launch registers hold the split");
 
 // The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
 // tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 4-d maps
