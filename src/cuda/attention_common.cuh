@@ -55,6 +55,35 @@ static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust
 
 namespace {
 
+// The states of the key tiles (BK keys each) for one query tile of a generated mask, worked out
+// once: tiles [lo, hi] hold a key that some row of it sees, and tiles [full_lo, full_hi] (inside
+// them) are whole tiles every key of which every row sees. Along the keys a generated mask's
+// states run empty, partial, full, partial, empty, so this is every tile's state.
+struct TileSpan {
+    int lo, hi, full_lo, full_hi;
+    __device__ __forceinline__ uint8_t state(int kt) const {
+        if (kt < lo || kt > hi) return TILE_EMPTY;
+        return kt >= full_lo && kt <= full_hi ? TILE_FULL : TILE_PARTIAL;
+    }
+    // From key positions: the rows together see [seen_lo, seen_hi], and each sees all of
+    // [all_lo, all_hi]; `ragged` (the query tile reaches past m): no tile is full; nor is a tile
+    // that reaches past n.
+    static __device__ __forceinline__ TileSpan of_keys(int64_t seen_lo, int64_t seen_hi, int64_t all_lo,
+                                                       int64_t all_hi, bool ragged, int64_t n) {
+        seen_lo = max(seen_lo, static_cast<int64_t>(0));
+        seen_hi = min(seen_hi, n - 1);
+        if (seen_lo > seen_hi) return TileSpan{1, 0, 1, 0};
+        all_lo = max(all_lo, static_cast<int64_t>(0));
+        all_hi = min(all_hi, n - 1);
+        TileSpan span{static_cast<int>(seen_lo / BK), static_cast<int>(seen_hi / BK), 1, 0};
+        if (!ragged && all_lo <= all_hi) {
+            span.full_lo = static_cast<int>((all_lo + BK - 1) / BK);
+            span.full_hi = static_cast<int>(min((all_hi + 1) / BK, n / BK)) - 1;
+        }
+        return span;
+    }
+};
+
 // Which keys each query sees, for one batch entry. Tile states come from the formula of a generated
 // mask or from the host's per-tile states (documents, dense); a tile that reaches past m or n is
 // never full, so a full tile needs no check at all.
@@ -85,6 +114,21 @@ struct MaskView {
         }
         if (state == TILE_FULL && (c0 + BK > a.n || r0 + BQ > a.m)) state = TILE_PARTIAL;
         return state;
+    }
+
+    // For a formula mask (full, causal, window): every key tile's state for query tile qt (none
+    // seen past m). Query i sits at key position i + n - m and sees [first(i), last(i)]; both
+    // ends grow with i, so the tile's rows see [first(r0), last(r1)] together and each all of
+    // [first(r1), last(r0)].
+    __device__ __forceinline__ TileSpan formula_span(int64_t qt) const {
+        const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
+        if (r0 > r1) return TileSpan{1, 0, 1, 0};
+        const int64_t shift = a.n - a.m;
+        auto first = [&](int64_t i) {
+            return a.mask.kind == AC::MASK_WINDOW ? i + shift - a.mask.window + 1 : static_cast<int64_t>(0);
+        };
+        auto last = [&](int64_t i) { return a.mask.kind == AC::MASK_FULL ? a.n - 1 : i + shift; };
+        return TileSpan::of_keys(first(r0), last(r1), first(r1), last(r0), r0 + BQ > a.m, a.n);
     }
 
     // Whether the mask is generated (full, causal, window): each query then sees one run of keys,
@@ -194,6 +238,10 @@ struct MaskView {
             if (x0 > x1 || x1 < lo || x0 > hi) return TILE_EMPTY;
             const bool full = !ragged && x0 + len <= count && x0 >= full_lo && x1 <= full_hi;
             return full ? TILE_FULL : TILE_PARTIAL;
+        }
+        // The span as a query tile's key-tile states (state(kt * BK, BK, n) for every kt).
+        __device__ __forceinline__ TileSpan key_tiles(int64_t n) const {
+            return TileSpan::of_keys(lo, hi, full_lo, full_hi, ragged, n);
         }
     };
     // The span of tile t (of `tile` positions, queries or keys): its positions p0 .. p1 see

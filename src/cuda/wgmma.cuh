@@ -19,6 +19,12 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead
     return smem_desc(addr, leading, stride) | (1ull << 62);
 }
 
+// A descriptor whose start address is `units` 16-byte units further on: an add to the low word
+// only (the caller keeps the address field, 14 bits, from overflowing).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t units) {
+    return (desc & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + units);
+}
+
 // Eight accumulator registers d[i] .. d[i + 7] as read-write asm operands.
 #define WG_ACC8(d, i)                                                                                                 \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),     \

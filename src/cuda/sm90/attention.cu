@@ -81,6 +81,25 @@ __device__ __forceinline__ void wgmma_scores(float (&d)[32], uint64_t a, uint64_
     }
 }
 
+// s (64 x 64, this thread's 32) = [accumulate ? s : 0] + A . Bᵀ over 16 of K: A from registers
+// (the m16n8k16 A fragment of each warp's 16 rows), B K-major in shared memory (descriptor b).
+template <typename T>
+__device__ __forceinline__ void wgmma_scores_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+    if constexpr (std::is_same_v<T, __half>) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+            : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+            : WG_ACC8(d, 0), WG_ACC8(d, 8), WG_ACC8(d, 16), WG_ACC8(d, 24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    }
+}
+
 // o (64 x N, this thread's N / 2) += P . V over 16 keys: P from registers (the m16n8k16 A
 // fragment of each warp's 16 rows), V MN-major (transposed) in shared memory (descriptor b).
 template <typename T, int N>
@@ -266,7 +285,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         // released that stage's previous tile (i - STAGES). Warp 0 walks the tiles (next_live
         // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do
         // (with stored masks the warpgroup gives registers to the consumers first).
-        if constexpr (MASKS == STORED) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
         if (tid >= 32) return;
         int i = 0;
         for (int64_t kt = next(-1); kt < a.col_tiles; kt = next(kt), ++i) {
@@ -287,7 +306,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         return;
     }
 
-    if constexpr (MASKS == STORED) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS) : "memory");
     const int consumer = wg - 1, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int64_t qt = qt0 + consumer;
     const bool active = qt < a.row_tiles;  // false past the last query tile (a partial block)
@@ -297,8 +316,17 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
                     a.q_strides[2], active ? static_cast<int>(min(static_cast<int64_t>(BQ), a.m - qt * BQ)) : 0, a.d, tid);
     cp_async_commit();
     cp_async_wait<0>();
-    fence_async_shared();
     named_sync(Q_BARRIER + consumer, 128);
+    // The warp's 16 rows of Q as the A fragments of S's D / 16 k-steps, held in registers for the
+    // whole walk (S then reads only K from shared memory). ldmatrix matrix lane / 8 of step kk:
+    // rows 16 warp + (lane % 16), 16-byte chunk 2 kk + lane / 16 of the core-matrix layout.
+    uint32_t q_frag[D / 16][4];
+    {
+        const int row = 16 * (tid / 32) + (tid % 16);
+        const uint32_t from = sq + (row / 8) * L::ROW_GROUP + (row % 8) * 16 + ((tid % 32) / 16) * 128;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4<false>(q_frag[kk], from + kk * 256);
+    }
 
     float o[D / 2], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -307,12 +335,14 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // row0 + (r / 2) * 8, column nt * 8 + 2 t + r % 2 (the mma.sync layout, per warp).
     const int64_t row0 = qt * BQ + warp * 16 + g;
 
-    // The state of key tile kt for this consumer's rows (empty past the walk's end). Documents
-    // in runs: from the keys the rows see, loaded once.
-    [[maybe_unused]] MaskView::RunSpan rows_span{};
-    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_span(active ? qt : a.row_tiles, BQ, true);
+    // The state of key tile kt for this consumer's rows (empty past the walk's end). Generated
+    // masks: from the span of tiles the rows see, worked out once (documents in runs: from the
+    // keys the rows see, loaded once).
+    [[maybe_unused]] TileSpan rows_span{1, 0, 1, 0};
+    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_span(active ? qt : a.row_tiles, BQ, true).key_tiles(a.n);
+    else if constexpr (MASKS == FORMULA) rows_span = mask.view.formula_span(active ? qt : a.row_tiles);
     auto state_of = [&](int64_t kt) -> uint8_t {
-        if constexpr (MASKS == RUNS) return kt < a.col_tiles ? rows_span.state(kt * BK, BK, a.n) : TILE_EMPTY;
+        if constexpr (GENERATED) return rows_span.state(static_cast<int>(kt));
         return active && kt < a.col_tiles ? mask.tile_state(h, qt, kt) : TILE_EMPTY;
     };
     // Before the turn of the walk's tile `index` (key tile kt, in `state` for this consumer's
@@ -347,25 +377,29 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         }
         mbarrier_wait(full_bar + 8 * stage, (index / STAGES) & 1);
     };
+    // The descriptors of stage 0's K tile (K-major) and V tile (MN-major): another stage or k-step
+    // is the same descriptor plus a constant number of 16-byte units in its address field (shared
+    // addresses stay below 2^18, so the 14-bit field does not overflow), one add a wgmma.
+    const uint64_t k_desc0 = smem_desc_sw128(kv_stages, 16, 1024);
+    const uint64_t v_desc0 = smem_desc_sw128(kv_stages + L::BYTES, 8192, 1024);
     // S = Q Kᵀ of the tile in `stage` (issued and committed, not waited for).
     auto issue_scores = [&](float (&s)[32], int stage) {
-        const uint32_t sk = kv_stages + stage * 2 * L::BYTES;
+        const uint64_t k_desc = desc_plus(k_desc0, stage * (2 * L::BYTES / 16));
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             // Head-dim columns 16 kk .. 16 kk + 15: 32 bytes into the 128-byte rows of half kk / 4.
-            wgmma_scores<T>(s, smem_desc(sq + kk * 256, 128, L::ROW_GROUP),
-                            smem_desc_sw128(sk + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024), kk > 0);
+            wgmma_scores_rs<T>(s, q_frag[kk], desc_plus(k_desc, (kk / 4) * (8192 / 16) + (kk % 4) * (32 / 16)), kk > 0);
         wgmma_commit();
     };
     // O += P V with the V tile in `stage` (issued and committed, not waited for).
     uint32_t p[4][4];  // the A fragments of P's four 16-key steps
     auto issue_pv = [&](int stage) {
-        const uint32_t sv = kv_stages + stage * 2 * L::BYTES + L::BYTES;
+        const uint64_t v_desc = desc_plus(v_desc0, stage * (2 * L::BYTES / 16));
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
             // Keys 16 kk .. 16 kk + 15 are two 8-row groups (1024 bytes each) of the V tile; its
             // head-dim halves are 8192 bytes apart.
-            wgmma_pv<T, D>(o, p[kk], smem_desc_sw128(sv + kk * 2048, 8192, 1024));
+            wgmma_pv<T, D>(o, p[kk], desc_plus(v_desc, kk * (2048 / 16)));
         wgmma_commit();
     };
     // The online softmax of a tile's raw scores (scale_log2 > 0): masked where `keep` says, the
