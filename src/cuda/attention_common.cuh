@@ -55,30 +55,32 @@ static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust
 
 namespace {
 
-// The states of the key tiles (BK keys each) for one query tile of a generated mask, worked out
-// once: tiles [lo, hi] hold a key that some row of it sees, and tiles [full_lo, full_hi] (inside
-// them) are whole tiles every key of which every row sees. Along the keys a generated mask's
-// states run empty, partial, full, partial, empty, so this is every tile's state.
+// The states of the tiles of one side (64 keys, or 64 queries) for one tile of the other side of a
+// generated mask, worked out once: tiles [lo, hi] hold a position that some position of the tile
+// sees, and tiles [full_lo, full_hi] (inside them) are whole tiles every position of which every
+// position of the tile sees. A generated mask's states run empty, partial, full, partial, empty
+// along either side, so this is every tile's state.
 struct TileSpan {
+    static_assert(BQ == BK, "one tile size for both sides");
     int lo, hi, full_lo, full_hi;
-    __device__ __forceinline__ uint8_t state(int kt) const {
-        if (kt < lo || kt > hi) return TILE_EMPTY;
-        return kt >= full_lo && kt <= full_hi ? TILE_FULL : TILE_PARTIAL;
+    __device__ __forceinline__ uint8_t state(int tile) const {
+        if (tile < lo || tile > hi) return TILE_EMPTY;
+        return tile >= full_lo && tile <= full_hi ? TILE_FULL : TILE_PARTIAL;
     }
-    // From key positions: the rows together see [seen_lo, seen_hi], and each sees all of
-    // [all_lo, all_hi]; `ragged` (the query tile reaches past m): no tile is full; nor is a tile
-    // that reaches past n.
-    static __device__ __forceinline__ TileSpan of_keys(int64_t seen_lo, int64_t seen_hi, int64_t all_lo,
-                                                       int64_t all_hi, bool ragged, int64_t n) {
+    // From positions of the other side (count of them): the tile's positions see [seen_lo,
+    // seen_hi] together and each sees all of [all_lo, all_hi]; `ragged` (the tile reaches past its
+    // side's end): no tile is full; nor is one that reaches past count.
+    static __device__ __forceinline__ TileSpan of_range(int64_t seen_lo, int64_t seen_hi, int64_t all_lo,
+                                                        int64_t all_hi, bool ragged, int64_t count) {
         seen_lo = max(seen_lo, static_cast<int64_t>(0));
-        seen_hi = min(seen_hi, n - 1);
+        seen_hi = min(seen_hi, count - 1);
         if (seen_lo > seen_hi) return TileSpan{1, 0, 1, 0};
         all_lo = max(all_lo, static_cast<int64_t>(0));
-        all_hi = min(all_hi, n - 1);
+        all_hi = min(all_hi, count - 1);
         TileSpan span{static_cast<int>(seen_lo / BK), static_cast<int>(seen_hi / BK), 1, 0};
         if (!ragged && all_lo <= all_hi) {
             span.full_lo = static_cast<int>((all_lo + BK - 1) / BK);
-            span.full_hi = static_cast<int>(min((all_hi + 1) / BK, n / BK)) - 1;
+            span.full_hi = static_cast<int>(min((all_hi + 1) / BK, count / BK)) - 1;
         }
         return span;
     }
@@ -116,10 +118,10 @@ struct MaskView {
         return state;
     }
 
-    // For a formula mask (full, causal, window): every key tile's state for query tile qt (none
-    // seen past m). Query i sits at key position i + n - m and sees [first(i), last(i)]; both
-    // ends grow with i, so the tile's rows see [first(r0), last(r1)] together and each all of
-    // [first(r1), last(r0)].
+    // For a formula mask (full, causal, window): every key tile's state for query tile qt (as a
+    // query tile: none past m). Query i sits at key position i + n - m and sees keys [first(i),
+    // last(i)]; both ends grow with i, so the tile's rows r0 .. r1 see [first(r0), last(r1)]
+    // together and each all of [first(r1), last(r0)].
     __device__ __forceinline__ TileSpan formula_span(int64_t qt) const {
         const int64_t r0 = qt * BQ, r1 = min(r0 + BQ, a.m) - 1;
         if (r0 > r1) return TileSpan{1, 0, 1, 0};
@@ -128,7 +130,19 @@ struct MaskView {
             return a.mask.kind == AC::MASK_WINDOW ? i + shift - a.mask.window + 1 : static_cast<int64_t>(0);
         };
         auto last = [&](int64_t i) { return a.mask.kind == AC::MASK_FULL ? a.n - 1 : i + shift; };
-        return TileSpan::of_keys(first(r0), last(r1), first(r1), last(r0), r0 + BQ > a.m, a.n);
+        return TileSpan::of_range(first(r0), last(r1), first(r1), last(r0), r0 + BQ > a.m, a.n);
+    }
+    // The same from the keys' side: every query tile's state for key tile kt (none past n). Key j
+    // is seen by the queries [first(j), last(j)], both ends growing with j.
+    __device__ __forceinline__ TileSpan formula_query_span(int64_t kt) const {
+        const int64_t c0 = kt * BK, c1 = min(c0 + BK, a.n) - 1;
+        if (c0 > c1) return TileSpan{1, 0, 1, 0};
+        const int64_t shift = a.n - a.m;
+        auto first = [&](int64_t j) { return a.mask.kind == AC::MASK_FULL ? static_cast<int64_t>(0) : j - shift; };
+        auto last = [&](int64_t j) {
+            return a.mask.kind == AC::MASK_WINDOW ? j - shift + a.mask.window - 1 : a.m - 1;
+        };
+        return TileSpan::of_range(first(c0), last(c1), first(c1), last(c0), c0 + BK > a.n, a.m);
     }
 
     // Whether the mask is generated (full, causal, window): each query then sees one run of keys,
@@ -239,9 +253,9 @@ struct MaskView {
             const bool full = !ragged && x0 + len <= count && x0 >= full_lo && x1 <= full_hi;
             return full ? TILE_FULL : TILE_PARTIAL;
         }
-        // The span as a query tile's key-tile states (state(kt * BK, BK, n) for every kt).
-        __device__ __forceinline__ TileSpan key_tiles(int64_t n) const {
-            return TileSpan::of_keys(lo, hi, full_lo, full_hi, ragged, n);
+        // The span as the other side's tile states (state(x * 64, 64, count) for every tile x).
+        __device__ __forceinline__ TileSpan tiles(int64_t count) const {
+            return TileSpan::of_range(lo, hi, full_lo, full_hi, ragged, count);
         }
     };
     // The span of tile t (of `tile` positions, queries or keys): its positions p0 .. p1 see

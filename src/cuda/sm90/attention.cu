@@ -339,7 +339,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // masks: from the span of tiles the rows see, worked out once (documents in runs: from the
     // keys the rows see, loaded once).
     [[maybe_unused]] TileSpan rows_span{1, 0, 1, 0};
-    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_span(active ? qt : a.row_tiles, BQ, true).key_tiles(a.n);
+    if constexpr (MASKS == RUNS) rows_span = mask.view.runs_span(active ? qt : a.row_tiles, BQ, true).tiles(a.n);
     else if constexpr (MASKS == FORMULA) rows_span = mask.view.formula_span(active ? qt : a.row_tiles);
     auto state_of = [&](int64_t kt) -> uint8_t {
         if constexpr (GENERATED) return rows_span.state(static_cast<int>(kt));
@@ -754,9 +754,11 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
 #pragma unroll
     for (int e = 0; e < D / 2; ++e) dk_acc[e] = dv_acc[e] = 0.f;
     const int64_t key0 = kt * BK + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
-    // Documents in runs: the queries that see this warpgroup's keys, loaded once.
-    [[maybe_unused]] MaskView::RunSpan keys_span{};
-    if constexpr (MASKS == RUNS) keys_span = mask.view.runs_span(kt, BK, false);
+    // Generated masks: the query tiles' states for this warpgroup's key tile, worked out once
+    // (documents in runs: from the queries that see its keys, loaded once).
+    [[maybe_unused]] TileSpan keys_span{1, 0, 1, 0};
+    if constexpr (MASKS == RUNS) keys_span = mask.view.runs_span(kt, BK, false).tiles(a.m);
+    else if constexpr (MASKS == FORMULA) keys_span = mask.view.formula_query_span(kt);
     // Descriptors, computed once: a descriptor plus n addresses the tile n * 16 bytes further on
     // (shared addresses stay below 2^18, so the 14-bit address field does not overflow).
     const uint64_t k_kmajor = kmajor_sw128(sk, 0), v_kmajor = kmajor_sw128(sv, 0);
@@ -794,7 +796,7 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
         const int stage = __shfl_sync(0xffffffffu, index % STAGES, 0);
         const int64_t h = h0 + item.head, qt = item.qt, i0 = qt * BQ;
         uint8_t state;
-        if constexpr (MASKS == RUNS) state = keys_span.state(i0, BQ, a.m);
+        if constexpr (GENERATED) state = keys_span.state(static_cast<int>(qt));
         else state = state_of(h, qt, kt);
         // Which of this thread's 32 entries (bit nt * 4 + r: key key0 + (r / 2) * 8, query
         // i0 + nt * 8 + 2 t + r % 2) the mask keeps (none of an empty tile: its products run,
