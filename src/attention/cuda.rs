@@ -490,9 +490,8 @@ const HOPPER_BWD_WARPGROUPS: usize = 2;
 /// The Hopper backward kernel of a mask and head tile, and its launch: a block of
 /// `HOPPER_BWD_WARPGROUPS` warpgroups per as many key tiles of a (batch, kv head); shared memory
 /// for its mbarriers, a K and a V tile per warpgroup, `HOPPER_BWD_STAGES_D*` stages of a Q and a
-/// dO tile, and per warpgroup two dSᵀ tiles, the statistics of two items and a dQ column half
-/// (64 x `head_tile / 2` f32) (mirrors `BackwardLayout` of the kernel, which traps when given
-/// less).
+/// dO tile, and per warpgroup two dSᵀ tiles and the statistics of two items (mirrors
+/// `BackwardLayout` of the kernel, which traps when given less).
 fn hopper_backward_kernel<T: WithDType>(
     dev: &CudaDevice, p: &Problem, mask: &DeviceMask, head_tile: usize,
 ) -> Result<(Kernel, LaunchConfig)> {
@@ -505,7 +504,7 @@ fn hopper_backward_kernel<T: WithDType>(
     let warpgroups = HOPPER_BWD_WARPGROUPS;
     let shared = C::HOPPER_BARRIER_BYTES
         + (2 * warpgroups + 2 * stages) * tile
-        + warpgroups * (2 * TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4 + TILE_Q * head_tile / 2 * 4);
+        + warpgroups * (2 * TILE_K * TILE_Q * 2 + 2 * 2 * TILE_Q * 4);
     let kernel = hopper_kernel::<T>(dev, "attention_bwd_sm90", mask, head_tile, shared)?;
     let blocks = p.batch * p.kv_heads * p.n.div_ceil(TILE_K * warpgroups);
     let cfg = LaunchConfig {
@@ -744,7 +743,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let dk = alloc_output::<T>(dev, k.elem_count())?;
     let dv = alloc_output::<T>(dev, v.elem_count())?;
     // The Hopper backward where it runs the problem (not in deterministic mode: it adds dq with
-    // bulk reductions in a varying order) and TMA describes the operands and dk / dv. The maps
+    // 16-byte reductions in a varying order) and TMA describes the operands and dk / dv. The maps
     // hold raw addresses: the guards keep the buffers' stream ordering until the launches are
     // queued (dk and dv, written through their maps, are new buffers on this one stream).
     let stream = dev.cuda_stream();

@@ -533,14 +533,12 @@ template <int D> struct BackwardLayout {
     static constexpr int BYTES = 64 * D * 2;  // one 64 x D tile of 16-bit elements
     // After the mbarriers: a K and a V tile per warpgroup, STAGES stages of a Q and a dO tile;
     // then two buffers (alternate items) of each warpgroup's dSᵀ tile (64 x 64: buffer p of
-    // warpgroup c at DS + (2 p + c) DS_BYTES), per warpgroup two buffers (alternate items) of the
-    // 64 log-sum-exps (log2 units) and deltas of an item, and its dQ column half (64 x D / 2 f32
-    // in fragment order) on its way to dq_accum.
+    // warpgroup c at DS + (2 p + c) DS_BYTES) and per warpgroup two buffers (alternate items) of
+    // the 64 log-sum-exps (log2 units) and deltas of an item.
     static constexpr int KV = BARRIER_BYTES, STAGE0 = KV + BWD_WARPGROUPS * 2 * BYTES;
     static constexpr int DS = STAGE0 + STAGES * 2 * BYTES, DS_BYTES = 64 * 64 * 2;
     static constexpr int STATS = DS + 2 * BWD_WARPGROUPS * DS_BYTES, STATS_BYTES = 2 * 2 * 64 * 4;
-    static constexpr int DQ = STATS + BWD_WARPGROUPS * STATS_BYTES, DQ_HALF_BYTES = 64 * D / 2 * 4;
-    static constexpr int SHARED = DQ + BWD_WARPGROUPS * DQ_HALF_BYTES;
+    static constexpr int SHARED = STATS + BWD_WARPGROUPS * STATS_BYTES;
     static_assert(SHARED <= 227 * 1024, "the layout fits an SM's shared memory");
 };
 
@@ -561,21 +559,15 @@ __device__ __forceinline__ uint64_t mnmajor_sw128(uint32_t tile, int kk) {
     return smem_desc_sw128(tile + kk * 2048, 8192, 1024);
 }
 
-// dst[i] += the f32 at shared address src + 4 i, for the `bytes` / 4 of them (a bulk reduction by
-// the TMA unit; 16-byte aligned, bytes a multiple of 16), committed as a bulk group.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
-    asm volatile(
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-        "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(dst)),
-        "r"(src), "r"(bytes)
-        : "memory");
+// *p += x, element by element, as one 16-byte reduction in L2 (sm_90).
+__device__ __forceinline__ void red_add4(float4* p, float4 x) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)
+                 : "memory");
 }
-// Waits until at most PENDING of this thread's bulk groups have not read their shared memory ...
+// Waits until at most PENDING of this thread's bulk groups have not read their shared memory.
 template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
 }
-// ... or are complete.
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Named barriers: DKV_BARRIER + c when warpgroup c's dk / dv are staged; BOTH_DS_BARRIER (the
 // block) when both dSᵀ tiles of an item are.
@@ -594,9 +586,9 @@ constexpr int DKV_BARRIER = 3, BOTH_DS_BARRIER = 5;
 //   dV += Pᵀ dO and dK += dSᵀ Q (A from registers, B MN-major),
 //   dSᵀ to shared memory (two buffers, alternate items); once both warpgroups' dSᵀ tiles are
 //   there (a block barrier an item), warpgroup c computes head-dim half c of dQ = dS K over the
-//   block's 128 keys (A and B MN-major) and adds it into dq_accum by bulk reductions (one a
-//   warp, its 16 rows), so the order of the additions varies run to run (the deterministic
-//   backward stays portable).
+//   block's 128 keys (A and B MN-major) and adds it into dq_accum by 16-byte reductions
+//   (`red.global.add.v4.f32`, straight from the accumulator registers), so the order of the
+//   additions varies run to run (the deterministic backward stays portable).
 //   dq_accum is f32 [b, h, row_tiles, 2 (column halves), 64 x D / 2 in fragment order]: entry
 //   ((warp * D / 16 + nt) * 32 + g * 4 + t) * 4 + r of a block is row warp * 16 + g + (r / 2) * 8,
 //   column 8 nt + 2 t + r % 2 of the half; it sums dS K, which dq_rows scales into dq.
@@ -622,7 +614,6 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid % 128) / 32, 0);
     const int wtid = tid % 128;  // the thread in its warpgroup
     const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES;
-    const uint32_t dq_stage = base + L::DQ + wg * L::DQ_HALF_BYTES;
 
     // The block: keys j0 .. j0 + 127 of (b, hk); the keys most queries see first (causal masks).
     const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
@@ -910,12 +901,10 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             }
             __syncwarp();
         }
-        // This warpgroup's head-dim half of dQ over the block's 128 keys, staged in fragment order
-        // (thread (warp, lane)'s 8-column tile nt as a float4 at ((warp * DQ_COLS / 8 + nt) * 32 +
-        // lane) * 16 bytes), then each warp's rows added into the item's block of dq_accum (the
-        // same order) by a bulk reduction that the TMA unit runs while the warp goes on.
-        constexpr uint32_t WARP_DQ_BYTES = DQ_COLS / 8 * 32 * 16;
-        const uint32_t warp_stage = dq_stage + warp * WARP_DQ_BYTES;
+        // This warpgroup's head-dim half of dQ over the block's 128 keys, added into the item's
+        // block of dq_accum in fragment order (thread (warp, lane)'s 8-column tile nt as the float4
+        // at (warp * DQ_COLS / 8 + nt) * 32 + lane) by 16-byte reductions: a warp's instruction
+        // covers 512 contiguous bytes.
         {
             float dq[DQ_COLS / 2];
             wgmma_fence();
@@ -933,26 +922,16 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
             } else {
                 wgmma_wait<0>();  // (dV, dK and) dQ
             }
-            // The warp's previous reduction has read the rows these stores overwrite.
-            if (lane == 0) bulk_wait_read<0>();
-            __syncwarp();
+            float4* warp_dq = reinterpret_cast<float4*>(dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D) +
+                                                        wg * (64 * DQ_COLS)) +
+                              (warp * (DQ_COLS / 8)) * 32 + lane;
 #pragma unroll
             for (int nt = 0; nt < DQ_COLS / 8; ++nt)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(warp_stage + (nt * 32 + lane) * 16),
-                             "f"(dq[nt * 4]), "f"(dq[nt * 4 + 1]), "f"(dq[nt * 4 + 2]), "f"(dq[nt * 4 + 3])
-                             : "memory");
-        }
-        fence_async_shared();
-        __syncwarp();
-        if (lane == 0) {
-            float* warp_dq = dq_accum + ((b * a.heads + h) * a.row_tiles + qt) * (64 * D) + wg * (64 * DQ_COLS) +
-                             warp * (WARP_DQ_BYTES / 4);
-            bulk_reduce_add(warp_dq, warp_stage, WARP_DQ_BYTES);
+                red_add4(warp_dq + nt * 32, make_float4(dq[nt * 4], dq[nt * 4 + 1], dq[nt * 4 + 2], dq[nt * 4 + 3]));
         }
         wgmma_wait<0>();  // the next item's Sᵀ (unconditional, so that ptxas sees it done)
         item = item_next;
     }
-    if (lane == 0) bulk_wait_all();  // the warp's last reduction is done with shared memory
     // Both warpgroups' last dQ products, which read both K tiles, are done.
     named_sync(BOTH_DS_BARRIER, BWD_THREADS);
 
