@@ -615,9 +615,11 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     const int wtid = tid % 128;  // the thread in its warpgroup
     const uint32_t sk = base + L::KV + wg * 2 * BYTES, sv = sk + BYTES;
 
-    // The block: keys j0 .. j0 + 127 of (b, hk); the keys most queries see first (causal masks).
-    const int64_t kv_total = a.batch * a.kv_heads, block = blockIdx.x;
-    const int64_t kb = block / kv_total, bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    // The block: keys j0 .. j0 + 127 of (b, hk). Blocks go head by head, so that the blocks
+    // running at once share their heads' Q / dO tiles and dq_accum rows in L2; within a head, the
+    // keys most queries see first (causal masks).
+    const int64_t key_blocks = (a.col_tiles + BWD_WARPGROUPS - 1) / BWD_WARPGROUPS, block = blockIdx.x;
+    const int64_t kb = block % key_blocks, bhk = block / key_blocks, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group, j0 = kb * BWD_KEYS;
     const int64_t kt = 2 * kb + wg;  // this warpgroup's key tile
     constexpr bool GENERATED = MASKS != STORED;
