@@ -516,6 +516,61 @@ fn rows_that_see_no_key_are_zero() -> Result<()> {
     Ok(())
 }
 
+/// Causal with m > n (bottom-right aligned): the first m - n queries see no key. Their dq rows
+/// are zero (on CUDA whole query tiles that no key block visits), and the gradients of the other
+/// rows, of k and of v equal those of the last n queries attending alone.
+#[test]
+fn queries_before_the_keys_have_zero_gradients() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, h, m, n) = (1, 2, 460, 200);
+        let tail = m - n;
+        for (dtype, d) in long_sequence_dtypes(dev)
+            .into_iter()
+            .flat_map(|t| [(t, 64), (t, 128)])
+        {
+            let (q, k, v) = inputs((b, h, h, m, n, d, d), dtype, dev, Views::Plain, 70)?;
+            let weights = rand_tensor(&[b, h, m, d], 1.0, dtype, dev, 71)?;
+            let grads_of = |q: &Tensor, weights: &Tensor| -> Result<[Vec<f64>; 3]> {
+                let (qv, kv, vv) = (
+                    Var::from_tensor(q)?,
+                    Var::from_tensor(&k)?,
+                    Var::from_tensor(&v)?,
+                );
+                let out = masked_attention(&qv, &kv, &vv, &Spec::Causal.mask(dev)?, 0.3)?;
+                let grads = (out * weights)?.sum_all()?.backward()?;
+                let grad = |x: &Var| to_f64(grads.get(x).expect("a gradient"));
+                Ok([grad(&qv)?, grad(&kv)?, grad(&vv)?])
+            };
+            let [dq, dk, dv] = grads_of(&q, &weights)?;
+            let last = |t: &Tensor| t.narrow(2, tail, n)?.contiguous();
+            let [dq_last, dk_last, dv_last] = grads_of(&last(&q)?, &last(&weights)?)?;
+            let tol = match dtype {
+                DType::F64 => 1e-10,
+                DType::F32 => 1e-4,
+                DType::F16 => 1e-2,
+                _ => 5e-2,
+            };
+            for hi in 0..h {
+                let rows = &dq[hi * m * d..][..m * d];
+                assert!(
+                    rows[..tail * d].iter().all(|&x| x == 0.0),
+                    "{dtype:?} d {d}: dq of the queries that see no key"
+                );
+                assert_close(
+                    &rows[tail * d..],
+                    &dq_last[hi * n * d..][..n * d],
+                    tol,
+                    &format!("{dtype:?} d {d}: dq of the last {n} queries, head {hi}"),
+                );
+            }
+            assert_close(&dk, &dk_last, tol, &format!("{dtype:?} d {d}: dk"));
+            assert_close(&dv, &dv_last, tol, &format!("{dtype:?} d {d}: dv"));
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
 /// Composed candle attention with an additive mask (0 or -inf), for autograd comparisons.
 fn composed(
     q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64, group: usize,
