@@ -544,12 +544,7 @@ fn queries_before_the_keys_have_zero_gradients() -> Result<()> {
             let [dq, dk, dv] = grads_of(&q, &weights)?;
             let last = |t: &Tensor| t.narrow(2, tail, n)?.contiguous();
             let [dq_last, dk_last, dv_last] = grads_of(&last(&q)?, &last(&weights)?)?;
-            let tol = match dtype {
-                DType::F64 => 1e-10,
-                DType::F32 => 1e-4,
-                DType::F16 => 1e-2,
-                _ => 5e-2,
-            };
+            let tol = gradient_tolerance(dtype);
             for hi in 0..h {
                 let rows = &dq[hi * m * d..][..m * d];
                 assert!(
@@ -569,6 +564,16 @@ fn queries_before_the_keys_have_zero_gradients() -> Result<()> {
         Ok(())
     });
     Ok(())
+}
+
+/// The gradients' tolerance of a dtype (against f64 references or the same op in f64 terms).
+fn gradient_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-10,
+        DType::F32 => 1e-4,
+        DType::F16 => 1e-2,
+        _ => 5e-2,
+    }
 }
 
 /// Composed candle attention with an additive mask (0 or -inf), for autograd comparisons.
@@ -629,12 +634,7 @@ fn check_gradients(
     let want_grads = (want * weights.to_dtype(DType::F64)?)?
         .sum_all()?
         .backward()?;
-    let tol = match dtype {
-        DType::F64 => 1e-10,
-        DType::F32 => 1e-4,
-        DType::F16 => 1e-2,
-        _ => 5e-2,
-    };
+    let tol = gradient_tolerance(dtype);
     for (which, ours, theirs) in [("q", &qv, &q64), ("k", &kv, &k64), ("v", &vv, &v64)] {
         let got = to_f64(grads.get(ours).expect("gradient"))?;
         // candle's graph has no path to q and k through a zero scale: zeros.
