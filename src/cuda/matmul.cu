@@ -2,7 +2,9 @@
 //
 //   masked_bmm:     out[b, i, j] = keep(b, i, j) ? (a[b] . b[b])[i, j] : fill
 //   argmin_matmul:  out[b, i]    = argmin_j  scale * (a[b] . b[b])[i, j] + bias[j]
-//   span_matmul:    masked_bmm's backward products, each tile reducing over a span of k only
+//   span_matmul:    masked_bmm's backward products, each tile reducing over a span of k only,
+//                   the gradient operand masked as it lands (async core), 64-wide outputs on
+//                   narrow tiles (WarpPart)
 //
 // Three forms of the core follow: the f32 FMA kernels, the register-staged TF32 kernels (`_tc`)
 // and the async core (`_h16`, `_tf32`, `_tf32x3`: cp.async stages, see its section).
@@ -393,6 +395,42 @@ template <typename T, bool K_MAJOR> struct StageCopier {
     }
 };
 
+// Which part of the block's output tile and of each stage a warp computes.
+// * WIDE: warp w owns rows 64 (w / 4) + [0, 64) and columns 32 (w % 4) + [0, 32) of the tile
+//   (AccLayout<true>) and runs every k-step of each stage.
+// * NARROW_N (at most 64 of the tile's columns inside the output) and NARROW_M (at most 64 rows):
+//   half of the warps' own parts lie outside the output. Each such warp (a helper) computes the
+//   part of an owner warp instead, over the odd k-steps of each stage while the owner runs the
+//   even ones; `join_narrow` then adds the helper's sums into the owner's. The same products in
+//   half the mma per warp. (The masked_bmm backward's products are 64 wide when k is 64.)
+enum TileShape : int { WIDE = 0, NARROW_N = 1, NARROW_M = 2 };
+struct WarpPart {
+    int m0, n0;   // the first row and column of the part computed (in the tile)
+    int step0;    // the k-step of each stage it starts at (0 or 1; narrow shapes run one step)
+    int slot;     // narrow shapes: the owner's index among the owners (0..3), where sums meet
+    bool helper;  // narrow shapes: its sums go to the owner of the same part
+    __device__ __forceinline__ explicit WarpPart(int shape) {
+        const int warp = threadIdx.x >> 5;
+        if (shape == NARROW_N) {
+            m0 = (warp >> 2) * 64;
+            n0 = (warp & 1) * 32;
+            step0 = (warp >> 1) & 1;
+            slot = (warp >> 2) * 2 + (warp & 1);
+        } else if (shape == NARROW_M) {
+            m0 = 0;
+            n0 = (warp & 3) * 32;
+            step0 = warp >> 2;
+            slot = warp & 3;
+        } else {
+            m0 = (warp >> 2) * 64;
+            n0 = (warp & 3) * 32;
+            step0 = 0;
+            slot = 0;
+        }
+        helper = step0 != 0;
+    }
+};
+
 // This thread's ldmatrix row address (byte offset in a stage buffer at k 0) for the warp's first
 // 16-row block of A and first pair of 8-column blocks of B; the others follow at fixed strides.
 // The k-major offsets serve both element sizes: 16 bytes of k are 8 halves or 4 f32, the k
@@ -401,10 +439,10 @@ template <typename T, bool K_MAJOR> struct StageCopier {
 template <bool AK, bool BK> struct FragmentOffsets {
     uint32_t a, b;
 
-    __device__ __forceinline__ FragmentOffsets() {
+    __device__ __forceinline__ explicit FragmentOffsets(const WarpPart& part) {
         constexpr int OPAD = outer_row<uint16_t>();
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+        const int lane = threadIdx.x & 31;
+        const int m0 = part.m0, n0 = part.n0;
         a = AK ? (m0 + (lane & 15)) * KROW_BYTES + (lane >> 4) * 16
                : 2 * (((lane & 7) + ((lane >> 4) << 3)) * OPAD + m0 + ((lane >> 3) & 1) * 8);
         b = BK ? (n0 + (lane & 7) + ((lane >> 4) << 3)) * KROW_BYTES + ((lane >> 3) & 1) * 16
@@ -412,25 +450,31 @@ template <bool AK, bool BK> struct FragmentOffsets {
     }
 };
 
+// Bytes from one k-step of a stage to the next in an operand's stage buffer: 16 elements of k
+// (16-bit) or 8 (f32) are 32 bytes of a k-major row, or that many [k][outer] rows.
+template <typename T, bool K_MAJOR> __host__ __device__ constexpr int step_bytes() {
+    return K_MAJOR ? 32 : (sizeof(T) == 2 ? 16 : 8) * outer_row<T>() * int(sizeof(T));
+}
+
 // A stage's products, 16-bit: for each k16 step, the warp's 4 A fragments (16 rows each) and 4 B
 // fragments (8 columns each) by ldmatrix, then 16 mma. AK / BK: the operand's stage is k-major.
-template <typename T, bool AK, bool BK>
+// STEPS: the k-steps run from a_base / b_base on (a narrow tile's warps run one).
+template <typename T, bool AK, bool BK, int STEPS = stage_k<T>() / 16>
 __device__ __forceinline__ void stage_product16(uint32_t a_base, uint32_t b_base, const FragmentOffsets<AK, BK>& off,
                                                 float (&acc)[8][8]) {
-    constexpr int OPAD_BYTES = 2 * outer_row<T>();
 #pragma unroll
-    for (int step = 0; step < stage_k<T>() / 16; ++step) {
+    for (int step = 0; step < STEPS; ++step) {
         uint32_t af[4][4], bf[4][2];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
             // 16 rows further: 16 smem rows ([outer][k]) or 16 elements along a row ([k][outer]).
-            const uint32_t addr = a_base + off.a + mi * (AK ? 16 * KROW_BYTES : 32) + step * (AK ? 32 : 16 * OPAD_BYTES);
+            const uint32_t addr = a_base + off.a + mi * (AK ? 16 * KROW_BYTES : 32) + step * step_bytes<T, AK>();
             ldmatrix_x4<!AK>(af[mi], addr);
         }
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
             uint32_t r[4];
-            const uint32_t addr = b_base + off.b + np * (BK ? 16 * KROW_BYTES : 32) + step * (BK ? 32 : 16 * OPAD_BYTES);
+            const uint32_t addr = b_base + off.b + np * (BK ? 16 * KROW_BYTES : 32) + step * step_bytes<T, BK>();
             ldmatrix_x4<!BK>(r, addr);
             bf[2 * np][0] = r[0];
             bf[2 * np][1] = r[1];
@@ -473,15 +517,17 @@ template <int PASSES, int N> struct Split {
 // one at a time, its 4 A fragments (split as they are used, which keeps the registers of the
 // split B fragments, one split A fragment and the accumulators under the cap). ROUND: fragments
 // whose three products are interleaved; four spill at the 128-register cap and measured 1.3%
-// slower on k-means than two.
-template <int PASSES, bool AK, bool BK, int ROUND = 2>
+// slower on k-means than two. Af / Bf are the stage buffers as floats at the first k-step run,
+// a_base / b_base their shared addresses; STEPS as in stage_product16.
+template <int PASSES, bool AK, bool BK, int STEPS = stage_k<float>() / 8, int ROUND = 2>
 __device__ __forceinline__ void stage_product_f32(uint32_t a_base, uint32_t b_base, const float* Af, const float* Bf,
-                                                  const FragmentOffsets<AK, BK>& off, float (&acc)[8][8]) {
+                                                  const FragmentOffsets<AK, BK>& off, const WarpPart& part,
+                                                  float (&acc)[8][8]) {
     constexpr int OROW = outer_row<float>();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int m0 = (warp >> 2) * 64, n0 = (warp & 3) * 32;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int m0 = part.m0, n0 = part.n0;
 #pragma unroll
-    for (int step = 0; step < stage_k<float>() / 8; ++step) {
+    for (int step = 0; step < STEPS; ++step) {
         uint32_t braw[4][2];
         if constexpr (BK) {
 #pragma unroll
@@ -555,11 +601,21 @@ __device__ __forceinline__ void stage_product_f32(uint32_t a_base, uint32_t b_ba
 // accumulators. The stages stream across tiles: the next tile's first copies are in flight while
 // a tile finishes and its epilogue runs, so a short k (k-means: d = 64 is 4 stages) does not
 // drain and refill the pipeline at every tile. a_tile / b_tile: the operands' first tile.
-template <typename T, int PASSES, bool AK, bool BK, class TileDone>
+// NARROW: the warps split as `shape` (NARROW_N / NARROW_M, see WarpPart) and the caller joins
+// their sums (`join_narrow`); only for a single tile.
+// `prepare(k, a_stage, b_stage, Bool<AK>, Bool<BK>)` sees each stage once it has landed, before
+// its products (k: the stage's first k in its tile); it returns whether it wrote to the stage
+// buffers (then a block barrier makes the writes visible to every warp).
+template <bool V> struct Bool { static constexpr bool value = V; };
+struct NoPrepare {
+    template <class A, class B>
+    __device__ __forceinline__ bool operator()(int64_t, uint8_t*, uint8_t*, A, B) const { return false; }
+};
+template <typename T, int PASSES, bool AK, bool BK, bool NARROW, class TileDone, class Prepare>
 __device__ __forceinline__ void stream_tiles_as(const Problem& p, const T* a, const T* b, const T* a_tile,
                                                 const T* b_tile, int64_t row0,
                                                 int64_t col0, int64_t col_step, int64_t tiles, float (&acc)[8][8],
-                                                AsyncStaging& sm, TileDone& tile_done) {
+                                                AsyncStaging& sm, int shape, TileDone& tile_done, Prepare& prepare) {
     auto zero = [&] {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -577,7 +633,11 @@ __device__ __forceinline__ void stream_tiles_as(const Problem& p, const T* a, co
     }
     StageCopier<T, AK> ca(a_tile, p.a, p.m - row0);
     StageCopier<T, BK> cb(b_tile, p.b, p.n - col0);
-    const FragmentOffsets<AK, BK> off;
+    const WarpPart part(NARROW ? shape : WIDE);
+    const FragmentOffsets<AK, BK> off(part);
+    // The warp's first k-step in a stage buffer (0 but in a narrow tile's helpers).
+    const int a_step = part.step0 * step_bytes<T, AK>(), b_step = part.step0 * step_bytes<T, BK>();
+    constexpr int STAGE_STEPS = NARROW ? 1 : stage_k<T>() / (sizeof(T) == 2 ? 16 : 8);
     const uint32_t a_smem = shared_address(sm.a[0]), b_smem = shared_address(sm.b[0]);
     // Counts of stages fit an int: B alone holds TILE * KS elements per tile stage.
     const int total = static_cast<int>(tiles * steps);
@@ -610,12 +670,15 @@ __device__ __forceinline__ void stream_tiles_as(const Problem& p, const T* a, co
         cp_async_wait<STAGES - 2>();  // stage s has landed (for this thread) ...
         __syncthreads();  // ... and for every thread, which are all done with stage s - 1
         issue();
-        const uint32_t a_buf = a_smem + cur * STAGE_BYTES, b_buf = b_smem + cur * STAGE_BYTES;
+        if (prepare(int64_t(step) * KS, sm.a[cur], sm.b[cur], Bool<AK>{}, Bool<BK>{})) __syncthreads();
+        const uint32_t a_buf = a_smem + cur * STAGE_BYTES + a_step, b_buf = b_smem + cur * STAGE_BYTES + b_step;
         if constexpr (sizeof(T) == 2) {
-            stage_product16<T>(a_buf, b_buf, off, acc);
+            stage_product16<T, AK, BK, STAGE_STEPS>(a_buf, b_buf, off, acc);
         } else {
-            stage_product_f32<PASSES>(a_buf, b_buf, reinterpret_cast<const float*>(sm.a[cur]),
-                                      reinterpret_cast<const float*>(sm.b[cur]), off, acc);
+            stage_product_f32<PASSES, AK, BK, STAGE_STEPS>(a_buf, b_buf,
+                                                           reinterpret_cast<const float*>(sm.a[cur] + a_step),
+                                                           reinterpret_cast<const float*>(sm.b[cur] + b_step), off,
+                                                           part, acc);
         }
         cur = cur + 1 == STAGES ? 0 : cur + 1;
         if (++step == steps) {
@@ -631,21 +694,50 @@ __device__ __forceinline__ void stream_tiles_as(const Problem& p, const T* a, co
 
 // stream_tiles_as for the operands' layouts (one copy of the loop per layout pair, so the stage
 // products carry no layout branches).
-template <typename T, int PASSES, class TileDone>
+template <typename T, int PASSES, bool NARROW = false, class TileDone, class Prepare = NoPrepare>
 __device__ __forceinline__ void stream_tiles(const Problem& p, const T* a, const T* b, int64_t batch, int64_t row0,
                                              int64_t col0, int64_t col_step, int64_t tiles, float (&acc)[8][8],
-                                             AsyncStaging& sm, TileDone&& tile_done) {
+                                             AsyncStaging& sm, TileDone&& tile_done, int shape = WIDE,
+                                             Prepare&& prepare = Prepare{}) {
     const T* a_tile = a + batch * p.a.batch_stride + row0 * p.a.outer_stride;
     const T* b_tile = b + batch * p.b.batch_stride + col0 * p.b.outer_stride;
     const bool ak = p.a.mode == K_CONTIGUOUS, bk = p.b.mode == K_CONTIGUOUS;
     if (ak && bk) {
-        stream_tiles_as<T, PASSES, true, true>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+        stream_tiles_as<T, PASSES, true, true, NARROW>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm,
+                                                       shape, tile_done, prepare);
     } else if (ak) {
-        stream_tiles_as<T, PASSES, true, false>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+        stream_tiles_as<T, PASSES, true, false, NARROW>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm,
+                                                        shape, tile_done, prepare);
     } else if (bk) {
-        stream_tiles_as<T, PASSES, false, true>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+        stream_tiles_as<T, PASSES, false, true, NARROW>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm,
+                                                        shape, tile_done, prepare);
     } else {
-        stream_tiles_as<T, PASSES, false, false>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc, sm, tile_done);
+        stream_tiles_as<T, PASSES, false, false, NARROW>(p, a, b, a_tile, b_tile, row0, col0, col_step, tiles, acc,
+                                                         sm, shape, tile_done, prepare);
+    }
+}
+
+// A narrow tile's sums joined (see WarpPart): each helper parks its accumulators in the stage
+// buffers, which the main loop no longer uses, and the owner of the same part adds them. Every
+// thread of the block calls it, after stream_tiles with the same shape.
+__device__ __forceinline__ void join_narrow(float (&acc)[8][8], AsyncStaging& sm, int shape) {
+    static_assert(sizeof(AsyncStaging::a) >= 64 * 128 * sizeof(float), "the helpers' sums fit the A stages");
+    const WarpPart part(shape);
+    float* parked = reinterpret_cast<float*>(sm.a[0]);
+    const int at = part.slot * 32 + (threadIdx.x & 31);  // [accumulator][owner thread]: no conflicts
+    __syncthreads();  // every warp is done with the stage buffers
+    if (part.helper) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) parked[(i * 8 + j) * 128 + at] = acc[i][j];
+    }
+    __syncthreads();
+    if (!part.helper) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[i][j] += parked[(i * 8 + j) * 128 + at];
     }
 }
 
@@ -772,13 +864,130 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 // Mirrors `SpanArgs` in src/matmul/backward/cuda.rs.
 struct SpanArgs {
     int64_t spans_batch_stride;  // u32 pairs between batches of the spans (0: one set for all)
+    // masked: the gradient operand (A for grad_a, B for grad_b) is the unmasked output gradient
+    // g [rows, cols], and the kernel applies the mask as the stages land (async core only; the
+    // host masks g first for the other cores). The u8 mask's element strides (batch 0 when
+    // shared) and the plan's: tiles between batches (0 when shared), tiles along a row.
+    int64_t mask_batch_stride, mask_row_stride, mask_col_stride;
+    int64_t plan_batch_stride, plan_col_tiles;
     int32_t by_cols;             // spans indexed by the output's column tile (else its row tile)
+    int32_t masked;
 };
-static_assert(sizeof(SpanArgs) == 16, "SpanArgs is mirrored by a Rust #[repr(C)] struct of 16 bytes");
+static_assert(sizeof(SpanArgs) == 56, "SpanArgs is mirrored by a Rust #[repr(C)] struct of 56 bytes");
+
+// The mask applied to one landed stage of the gradient operand: `stage` holds TILE (outer) x
+// stage_k (k) elements, k-major rows of KROW_BYTES or [k][outer] rows (K_MAJOR false). An empty
+// mask tile clears the stage; a partial one clears the elements whose mask byte is 0. `keep` is
+// the mask at (outer 0, k 0) of the stage, `outer_stride` / `k_stride` its strides; elements past
+// outer_len / k_len are the copies' zero fill and are left alone. K_FASTEST: consecutive threads
+// take consecutive k (the mask's contiguous dim), else consecutive outer.
+template <typename T, bool K_MAJOR>
+__device__ __forceinline__ void mask_stage(uint8_t* stage, uint8_t state, const uint8_t* __restrict__ keep,
+                                           int64_t outer_stride, int64_t k_stride, int outer_len, int k_len,
+                                           bool k_fastest) {
+    if (state == EMPTY) {
+        uint4* words = reinterpret_cast<uint4*>(stage);
+        for (int i = threadIdx.x; i < STAGE_BYTES / 16; i += THREADS) words[i] = make_uint4(0, 0, 0, 0);
+        return;
+    }
+    constexpr int KS = stage_k<T>();
+    constexpr int PER_THREAD = TILE * KS / THREADS, BATCH = 4;
+    static_assert(PER_THREAD * THREADS == TILE * KS && PER_THREAD % BATCH == 0, "a stage splits evenly");
+    // This thread's elements are (o + i o_step, kk + i k_step), i < PER_THREAD: a fixed step in
+    // the mask and in the stage buffer.
+    const int t = threadIdx.x;
+    const int o = k_fastest ? t / KS : t % TILE, kk = k_fastest ? t % KS : t / TILE;
+    const int o_step = k_fastest ? THREADS / KS : 0, k_step = k_fastest ? 0 : THREADS / TILE;
+    const uint8_t* at = keep + o * outer_stride + kk * k_stride;
+    const int64_t at_step = o_step * outer_stride + k_step * k_stride;
+    constexpr int KROW = KROW_BYTES / int(sizeof(T)), OROW = outer_row<T>();
+    T* dst = reinterpret_cast<T*>(stage) + (K_MAJOR ? o * KROW + kk : kk * OROW + o);
+    const int dst_step = K_MAJOR ? o_step * KROW + k_step : k_step * OROW + o_step;
+    // BATCH mask bytes are loaded before any is used, so their latencies overlap. (The batches
+    // stay a loop: unrolled, the main loop around this spills.)
+#pragma unroll 1
+    for (int b0 = 0; b0 < PER_THREAD; b0 += BATCH) {
+        uint8_t kept[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = b0 + j;
+            kept[j] = o + i * o_step < outer_len && kk + i * k_step < k_len ? at[i * at_step] : 1;
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j)
+            if (kept[j] == 0) dst[(b0 + j) * dst_step] = from_float<T>(0.f);
+    }
+}
+
+// span_matmul's `prepare` (see stream_tiles_as) when the gradient operand comes unmasked: each
+// landed stage of it is masked by the mask tile it lies in (g's column tile for grad_a, its row
+// tile for grad_b). What is fixed per block lives in shared memory (`Fixed`, written by thread 0
+// before the pipeline's first barrier), so the main loop keeps no registers for it.
+template <typename T> struct StageMask {
+    struct Fixed {
+        const uint8_t* plan_line;  // the plan's tile states along the span's direction, at k tile 0
+        const uint8_t* keep;       // the mask at (outer 0, k 0) of the span
+        int64_t plan_step;         // tiles between consecutive k tiles in the plan
+        int64_t outer_stride, k_stride;
+        int64_t k0, k_total;       // the span's first k (a multiple of TILE) and length
+        int outer_len;             // the tile's extent inside the output along outer (<= TILE)
+        int by_cols;
+    };
+    Fixed* fixed;  // null: the gradient operand is masked already
+    bool enabled;
+
+    __device__ __forceinline__ StageMask(Fixed* storage, const SpanArgs& sa, const uint8_t* mask,
+                                         const uint8_t* plan, const TileIndex& tile, int64_t row0, int64_t col0,
+                                         int64_t k0, int64_t k_total, const Problem& p)
+        : fixed(storage), enabled(sa.masked != 0) {
+        if (!enabled || threadIdx.x != 0) return;
+        const uint8_t* plan_b = plan + tile.batch * sa.plan_batch_stride;
+        const uint8_t* mask_b = mask + tile.batch * sa.mask_batch_stride;
+        Fixed f;
+        f.k0 = k0;
+        f.k_total = k_total;
+        f.by_cols = sa.by_cols;
+        if (sa.by_cols) {
+            // grad_b = a^T . g: g is B, its outer the columns, its k the rows.
+            f.plan_line = plan_b + tile.col_group;
+            f.plan_step = sa.plan_col_tiles;
+            f.keep = mask_b + k0 * sa.mask_row_stride + col0 * sa.mask_col_stride;
+            f.outer_stride = sa.mask_col_stride;
+            f.k_stride = sa.mask_row_stride;
+            f.outer_len = static_cast<int>(min(p.n - col0, int64_t(TILE)));
+        } else {
+            // grad_a = g . b^T: g is A, its outer the rows, its k the columns.
+            f.plan_line = plan_b + tile.row_tile * sa.plan_col_tiles;
+            f.plan_step = 1;
+            f.keep = mask_b + row0 * sa.mask_row_stride + k0 * sa.mask_col_stride;
+            f.outer_stride = sa.mask_row_stride;
+            f.k_stride = sa.mask_col_stride;
+            f.outer_len = static_cast<int>(min(p.m - row0, int64_t(TILE)));
+        }
+        *fixed = f;
+    }
+
+    template <class AK, class BK>
+    __device__ __forceinline__ bool operator()(int64_t k, uint8_t* a_stage, uint8_t* b_stage, AK, BK) const {
+        if (!enabled) return false;
+        const Fixed& f = *fixed;
+        const uint8_t state = f.plan_line[((f.k0 + k) / TILE) * f.plan_step];
+        if (state == FULL) return false;
+        const int k_len = static_cast<int>(min(f.k_total - k, int64_t(stage_k<T>())));
+        const uint8_t* keep = f.keep + k * f.k_stride;
+        if (f.by_cols) {
+            mask_stage<T, BK::value>(b_stage, state, keep, f.outer_stride, f.k_stride, f.outer_len, k_len, false);
+        } else {
+            mask_stage<T, AK::value>(a_stage, state, keep, f.outer_stride, f.k_stride, f.outer_len, k_len, true);
+        }
+        return true;
+    }
+};
 
 template <typename T, int CORE>
 __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __restrict__ b,
-                                            const uint32_t* __restrict__ spans, T* __restrict__ out, Problem p,
+                                            const uint32_t* __restrict__ spans, const uint8_t* __restrict__ mask,
+                                            const uint8_t* __restrict__ plan, T* __restrict__ out, Problem p,
                                             SpanArgs sa) {
     auto& sm = staging<CORE>();
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
@@ -792,7 +1001,25 @@ __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __
     Problem q = p;
     q.k = max(k1 - k0, int64_t(0));
     float acc[8][8];
-    product<T, CORE>(q, a + k0 * p.a.k_stride, b + k0 * p.b.k_stride, tile.batch, row0, col0, acc, sm);
+    const T* a_span = a + k0 * p.a.k_stride;
+    const T* b_span = b + k0 * p.b.k_stride;
+    if constexpr (is_async<CORE>()) {
+        // The products are 64 wide when masked_bmm's k is 64: a narrow tile runs them in half
+        // the mma per warp (WarpPart).
+        const int shape = p.n - col0 <= TILE / 2 ? NARROW_N : p.m - row0 <= TILE / 2 ? NARROW_M : WIDE;
+        __shared__ typename StageMask<T>::Fixed mask_fixed;
+        const StageMask<T> prepare(&mask_fixed, sa, mask, plan, tile, row0, col0, k0, q.k, p);
+        if (shape != WIDE) {
+            stream_tiles<T, passes<CORE>(), true>(q, a_span, b_span, tile.batch, row0, col0, TILE, 1, acc, sm,
+                                                  [](int64_t) {}, shape, prepare);
+            join_narrow(acc, sm, shape);
+        } else {
+            stream_tiles<T, passes<CORE>()>(q, a_span, b_span, tile.batch, row0, col0, TILE, 1, acc, sm,
+                                            [](int64_t) {}, WIDE, prepare);
+        }
+    } else {
+        product<T, CORE>(q, a_span, b_span, tile.batch, row0, col0, acc, sm);
+    }
     store_tile<T, CORE>(out + tile.batch * p.m * p.n, p, row0, col0,
                         [&](int i, int j, int64_t, int64_t) { return acc[i][j]; });
 }
@@ -941,9 +1168,9 @@ extern "C" __global__ void argmin_keys_to_index(const unsigned long long* __rest
         argmin_matmul<T, CORE>(a, b, bias, keys, p, am);                                                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, fastops_constants::matmul::BLOCKS_PER_SM)                            \
-        span_matmul##VARIANT##SUFFIX(const T* a, const T* b, const uint32_t* spans, T* out, Problem p,     \
-                                     SpanArgs sa) {                                                        \
-        span_matmul<T, CORE>(a, b, spans, out, p, sa);                                                     \
+        span_matmul##VARIANT##SUFFIX(const T* a, const T* b, const uint32_t* spans, const uint8_t* mask,   \
+                                     const uint8_t* plan, T* out, Problem p, SpanArgs sa) {                \
+        span_matmul<T, CORE>(a, b, spans, mask, plan, out, p, sa);                                         \
     }
 
 MATMUL_KERNELS(float, f32, _, FMA)

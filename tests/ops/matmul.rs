@@ -392,6 +392,37 @@ fn masked_bmm_autograd_matches_composed() -> Result<()> {
     Ok(())
 }
 
+/// masked_bmm's gradients for `loss = sum(w * masked_bmm(a, b, mask, 0))` against the composed
+/// product (matmul, multiply by the mask) in f64 on the CPU through candle's autograd.
+fn check_masked_backward(
+    (a, b, w): (&Var, &Var, &Tensor), mask: &Tensor, what: &str,
+) -> Result<()> {
+    let dtype = a.dtype();
+    let out = masked_bmm(a.as_tensor(), b.as_tensor(), mask, 0.0)?;
+    let grads = (out * w)?.sum_all()?.backward()?;
+    let cpu64 = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+    let (a64, b64) = (
+        Var::from_tensor(&cpu64(a.as_tensor())?)?,
+        Var::from_tensor(&cpu64(b.as_tensor())?)?,
+    );
+    let keep = cpu64(&mask.ne(0u8)?)?;
+    let composed = a64
+        .as_tensor()
+        .matmul(b64.as_tensor())?
+        .broadcast_mul(&keep)?;
+    let ref_grads = (composed * cpu64(w)?)?.sum_all()?.backward()?;
+    let t = match dtype {
+        DType::F32 | DType::F64 => 1e-5,
+        other => tolerance(other) * 4.0,
+    };
+    for (v, v64, name) in [(a, &a64, "a"), (b, &b64, "b")] {
+        let got = to_f64(grads.get(v.as_tensor()).expect("gradient"))?;
+        let want = to_f64(ref_grads.get(v64.as_tensor()).expect("reference gradient"))?;
+        assert_close(&got, &want, t, &format!("grad {name} {what}"));
+    }
+    Ok(())
+}
+
 /// The masked gradient at widths whose rows take the 16-byte path on CUDA (n a multiple of 8)
 /// and one that does not, per-batch and shared masks, every dtype: gradients against the
 /// composed product (matmul, multiply by the mask) in f64 on the CPU through candle's autograd.
@@ -413,33 +444,43 @@ fn masked_bmm_backward_at_vector_widths() -> Result<()> {
                 } else {
                     make_mask(MaskKind::Causal, &[m, n], dev, salt + 3)?
                 };
-                let out = masked_bmm(a.as_tensor(), b.as_tensor(), &mask, 0.0)?;
-                let grads = (out * &w)?.sum_all()?.backward()?;
-                // The reference: the composed product in f64 on the CPU.
-                let cpu64 = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
-                let (a64, b64) = (
-                    Var::from_tensor(&cpu64(a.as_tensor())?)?,
-                    Var::from_tensor(&cpu64(b.as_tensor())?)?,
-                );
-                let keep = cpu64(&mask.ne(0u8)?)?;
-                let composed = a64
-                    .as_tensor()
-                    .matmul(b64.as_tensor())?
-                    .broadcast_mul(&keep)?;
-                let ref_grads = (composed * cpu64(&w)?)?.sum_all()?.backward()?;
-                let t = match dtype {
-                    DType::F32 | DType::F64 => 1e-5,
-                    other => tolerance(other) * 4.0,
-                };
-                for (v, v64, name) in [(&a, &a64, "a"), (&b, &b64, "b")] {
-                    let got = to_f64(grads.get(v.as_tensor()).expect("gradient"))?;
-                    let want = to_f64(ref_grads.get(v64.as_tensor()).expect("reference gradient"))?;
-                    assert_close(
-                        &got,
-                        &want,
-                        t,
-                        &format!("grad {name} {dtype:?} n {n} per-batch mask {per_batch}"),
-                    );
+                check_masked_backward(
+                    (&a, &b, &w),
+                    &mask,
+                    &format!("{dtype:?} n {n} per-batch mask {per_batch}"),
+                )?;
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// The backward with masks that are views: a per-batch mask narrowed out of a larger one (an
+/// offset start and a batch stride of its own) and a shared one broadcast over the batch, at
+/// k = 64 (the products 64 wide: CUDA's narrow tiles, the mask applied as the gradient is read)
+/// and k = 80, every dtype.
+#[test]
+fn masked_bmm_backward_with_mask_views() -> Result<()> {
+    for_each_device(|dev| {
+        let (batch, m, n) = (2, 261, 200);
+        let larger = make_mask(MaskKind::Random, &[3, m, n], dev, 760)?;
+        let narrowed = larger.narrow(0, 1, 2)?;
+        let shared =
+            make_mask(MaskKind::Causal, &[1, m, n], dev, 761)?.broadcast_as((batch, m, n))?;
+        for dtype in float_dtypes(dev) {
+            for (c, k) in [64usize, 80].into_iter().enumerate() {
+                for (mask, name) in [(&narrowed, "narrowed"), (&shared, "broadcast")] {
+                    let salt = 770 + 10 * c as u64;
+                    let a = Var::from_tensor(&rand_tensor(&[batch, m, k], 1.0, dtype, dev, salt)?)?;
+                    let b =
+                        Var::from_tensor(&rand_tensor(&[batch, k, n], 1.0, dtype, dev, salt + 1)?)?;
+                    let w = rand_tensor(&[batch, m, n], 1.0, dtype, dev, salt + 2)?;
+                    check_masked_backward(
+                        (&a, &b, &w),
+                        mask,
+                        &format!("{dtype:?} k {k} {name} mask"),
+                    )?;
                 }
             }
         }

@@ -1,37 +1,125 @@
 use crate::cuda::{alloc_output, kernel_args};
 use crate::dispatch::mirrored_struct;
-use crate::matmul::core::cuda::{core_launch, ProblemArgs};
+use crate::matmul::core::cuda::{core_launch, uses_async_core, ProblemArgs};
 use crate::matmul::core::{MatView, TILE};
+use crate::matmul::masked_bmm::cuda::{mask_grad, MaskGradArgs};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
-use candle_core::{CudaDevice, CudaStorage, Result, WithDType};
+use candle_core::{bail, CudaDevice, CudaStorage, Result, WithDType};
 
 /// `SpanArgs` in `src/cuda/matmul.cu`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct SpanArgs {
     spans_batch_stride: i64,
+    mask_batch_stride: i64,
+    mask_row_stride: i64,
+    mask_col_stride: i64,
+    plan_batch_stride: i64,
+    plan_col_tiles: i64,
     by_cols: i32,
+    masked: i32,
 }
 // Mirrored by `SpanArgs` in src/cuda/matmul.cu.
-mirrored_struct!(SpanArgs, 16, kernel_arg);
+mirrored_struct!(SpanArgs, 56, kernel_arg);
+
+/// The mask of the gradient operand (`a` for grad_a, `b` for grad_b when `by_cols`), applied on
+/// the way in: the u8 mask and the plan's tile states as views from their first elements, the
+/// mask's element strides (`batch_stride` 0 when shared) and the plan's tiles between batch
+/// entries (0 when shared).
+pub(super) struct GradMaskView<'a> {
+    pub(super) mask: CudaView<'a, u8>,
+    pub(super) states: CudaView<'a, u8>,
+    pub(super) strides: [usize; 3],
+    pub(super) plan_batch_stride: usize,
+}
 
 /// The span product `a . b` (`[batch, m, k] . [batch, k, n]`) of the masked_bmm backward: each
 /// output tile reduces over its span of `spans` (`spans_batch_stride` span pairs per batch entry;
-/// a span per column tile with `by_cols`, per row tile otherwise).
+/// a span per column tile with `by_cols`, per row tile otherwise). With `mask`, the gradient
+/// operand is the unmasked output gradient (contiguous): the async core masks its stages as they
+/// land; the other cores get a masked copy first.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice, a: &CudaSlice<T>, b: &CudaSlice<T>, spans: &CudaView<'_, u32>,
     (av, bv): (&MatView, &MatView), (spans_batch_stride, by_cols): (usize, bool),
-    mode: crate::F32Matmul,
+    mode: crate::F32Matmul, mask: Option<&GradMaskView<'_>>,
 ) -> Result<CudaStorage> {
     let (batch, m, n) = (av.batch, av.rows, bv.cols);
+    let problem = ProblemArgs::new(av, bv, a.len(), b.len());
+    let mut args = SpanArgs {
+        spans_batch_stride: 2 * spans_batch_stride as i64,
+        by_cols: by_cols as i32,
+        ..Default::default()
+    };
+    if let Some(gm) = mask {
+        // The gradient operand is g [batch, rows, cols].
+        let (g, gv) = if by_cols { (b, bv) } else { (a, av) };
+        let (rows, cols) = (gv.rows, gv.cols);
+        if uses_async_core::<T>(&problem, mode) {
+            let [bs, rs, cs] = gm.strides;
+            args.mask_batch_stride = bs as i64;
+            args.mask_row_stride = rs as i64;
+            args.mask_col_stride = cs as i64;
+            args.plan_batch_stride = gm.plan_batch_stride as i64;
+            args.plan_col_tiles = cols.div_ceil(TILE) as i64;
+            args.masked = 1;
+        } else {
+            let contiguous = gv.col_stride == 1
+                && gv.row_stride == cols
+                && (gv.batch <= 1 || gv.batch_stride == rows * cols);
+            if !contiguous {
+                bail!("masked_bmm backward: internal error, the gradient is not contiguous");
+            }
+            let [bs, rs, cs] = gm.strides;
+            let grad_args = MaskGradArgs {
+                mask_batch_stride: bs as i64,
+                mask_row_stride: rs as i64,
+                mask_col_stride: cs as i64,
+                plan_batch_stride: gm.plan_batch_stride as i64,
+                batch: gv.batch as u64,
+                rows: rows as u64,
+                cols: cols as u64,
+                row_tiles: rows.div_ceil(TILE) as u64,
+                col_tiles: cols.div_ceil(TILE) as u64,
+            };
+            let len = gv.batch * rows * cols;
+            let masked = mask_grad(
+                dev,
+                &g.slice(gv.start..gv.start + len),
+                gv.start,
+                &gm.mask,
+                &gm.states,
+                &grad_args,
+            )?;
+            let copy = MatView { start: 0, ..*gv };
+            return if by_cols {
+                launch(
+                    dev,
+                    a,
+                    &masked,
+                    spans,
+                    (av, &copy),
+                    (spans_batch_stride, by_cols),
+                    mode,
+                    None,
+                )
+            } else {
+                launch(
+                    dev,
+                    &masked,
+                    b,
+                    spans,
+                    (&copy, bv),
+                    (spans_batch_stride, by_cols),
+                    mode,
+                    None,
+                )
+            };
+        }
+    }
     let out = alloc_output::<T>(dev, batch * m * n)?;
     let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
     if blocks > 0 {
-        let problem = ProblemArgs::new(av, bv, a.len(), b.len());
-        let args = SpanArgs {
-            spans_batch_stride: 2 * spans_batch_stride as i64,
-            by_cols: by_cols as i32,
-        };
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
         let (kernel, cfg) = core_launch::<T>(
             dev,
@@ -41,11 +129,22 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
             mode,
             blocks,
         )?;
-        // SAFETY: arguments match `span_matmul_*(a, b, spans, out, Problem, SpanArgs)`; the
-        // spans hold a pair per output tile along the spanned dim (checked by the caller)
-        // and the kernel clamps each span to the reduction length.
+        // SAFETY: arguments match `span_matmul_*(a, b, spans, mask, plan, out, Problem,
+        // SpanArgs)`; the spans hold a pair per output tile along the spanned dim (checked by
+        // the caller) and the kernel clamps each span to the reduction length. A masked launch
+        // reads the mask at (row, col) of g through its layout's strides and the plan at g's
+        // tiles; an unmasked one reads neither (the spans' address stands in for both).
         unsafe {
-            kernel.launch(cfg, kernel_args!(&a, &b, spans, &out, &problem, &args))?;
+            match mask {
+                Some(gm) if args.masked == 1 => kernel.launch(
+                    cfg,
+                    kernel_args!(&a, &b, spans, &gm.mask, &gm.states, &out, &problem, &args),
+                )?,
+                _ => kernel.launch(
+                    cfg,
+                    kernel_args!(&a, &b, spans, spans, spans, &out, &problem, &args),
+                )?,
+            };
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

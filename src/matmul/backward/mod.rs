@@ -7,6 +7,10 @@
 //! `[first, end)` from the first to one past the last non-empty tile; each output tile reduces
 //! over its span alone. On a causal mask that halves the work; on a mask with holes inside a span
 //! the zeros of the masked gradient keep the result exact.
+//!
+//! On CUDA the products read the unmasked gradient and mask it as it lands in shared memory (by
+//! the plan's tile states: full tiles untouched, empty ones cleared, partial ones through the
+//! mask), so the masked gradient is never written out; on the CPU one pass writes it first.
 
 use crate::matmul::core::{cpu_block_product, row_tile_output, CpuGemm, F32Matmul, MatView, TILE};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -54,9 +58,11 @@ pub(crate) fn tile_spans(states: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `a . b` for `a` `[batch, m, r]` and `b` `[batch, r, n]` where output tile `t` (row tiles, or
 /// column tiles when `by_cols`) reduces only over its span of `TILE`-wide blocks of `r`:
 /// `spans` u32 `[1 or batch, tiles, 2]` from [`tile_spans`].
-/// `mode` is the f32 mode on CUDA (the forward call's).
+/// `mode` is the f32 mode on CUDA (the forward call's). `mask` (CUDA only): the gradient operand
+/// (`a`, or `b` when `by_cols`) is the unmasked output gradient and the product applies the mask
+/// to it on the way in.
 pub(crate) fn span_matmul(
-    a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool, mode: F32Matmul,
+    a: &Tensor, b: &Tensor, spans: &Tensor, by_cols: bool, mode: F32Matmul, mask: Option<&GradMask>,
 ) -> Result<Tensor> {
     let (batch, m, _) = a.dims3()?;
     let n = b.dim(2)?;
@@ -68,10 +74,25 @@ pub(crate) fn span_matmul(
             spans.dims()
         );
     }
+    if let Some(gm) = mask {
+        let g = if by_cols { b } else { a };
+        let (mask_batch, rows, cols) = gm.mask.dims3()?;
+        if !g.device().is_cuda()
+            || g.dims()[1..] != [rows, cols]
+            || !(mask_batch == 1 || mask_batch == batch)
+        {
+            bail!(
+                "{OP}: internal error, mask {:?} for a gradient {:?}",
+                gm.mask.dims(),
+                g.dims()
+            );
+        }
+    }
     let op = SpanMatmul {
         spans: spans.contiguous()?,
         by_cols,
         mode,
+        mask: mask.cloned(),
     };
     let operand = |t: &Tensor| -> Result<Tensor> {
         if MatView::from_layout(t.layout()).is_some() {
@@ -91,11 +112,24 @@ pub(crate) fn span_matmul(
     a.apply_op2_no_bwd(&b, &op)
 }
 
+/// The mask a span product applies to its gradient operand (see [`span_matmul`]): the u8 mask
+/// `[1 or batch, rows, cols]` of the gradient and its plan's tile states
+/// (`[1 or batch, row tiles, col tiles]`).
+#[derive(Clone)]
+pub(crate) struct GradMask {
+    pub(crate) mask: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) states: Tensor,
+}
+
 struct SpanMatmul {
     spans: Tensor,
     by_cols: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     mode: F32Matmul,
+    /// Applied on CUDA only (`span_matmul` refuses it elsewhere).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    mask: Option<GradMask>,
 }
 
 impl SpanMatmul {
@@ -209,6 +243,34 @@ impl CustomOp2 for SpanMatmul {
         let spans = spans.as_cuda_slice::<u32>()?.slice(lock.1.start_offset()..);
         let stride = self.spans_batch_stride(av.batch)?;
         let dev = &a.device;
+        let mask_locks = self
+            .mask
+            .as_ref()
+            .map(|gm| (gm.mask.storage_and_layout(), gm.states.storage_and_layout()));
+        let mask_view = match &mask_locks {
+            Some(((mask, mask_layout), (states, states_layout))) => {
+                let (candle_core::Storage::Cuda(mask), candle_core::Storage::Cuda(states)) =
+                    (&**mask, &**states)
+                else {
+                    bail!("{OP}: the mask or its plan is not on the GPU");
+                };
+                let (mask_batch, rows, cols) = mask_layout.shape().dims3()?;
+                let s = mask_layout.stride();
+                let tiles = rows.div_ceil(TILE) * cols.div_ceil(TILE);
+                let states_len = states_layout.shape().elem_count();
+                Some(cuda::GradMaskView {
+                    mask: mask
+                        .as_cuda_slice::<u8>()?
+                        .slice(mask_layout.start_offset()..),
+                    states: states
+                        .as_cuda_slice::<u8>()?
+                        .slice(states_layout.start_offset()..),
+                    strides: [if mask_batch == 1 { 0 } else { s[0] }, s[1], s[2]],
+                    plan_batch_stride: if states_len > tiles { tiles } else { 0 },
+                })
+            }
+            None => None,
+        };
         let out = crate::dispatch::with_float_cuda_pair!(OP, &a.slice, &b.slice, |a, b| {
             cuda::launch(
                 dev,
@@ -218,6 +280,7 @@ impl CustomOp2 for SpanMatmul {
                 (&av, &bv),
                 (stride, self.by_cols),
                 self.mode,
+                mask_view.as_ref(),
             )?
         });
         Ok((out, shape))

@@ -34,6 +34,12 @@ pub(crate) fn core_launch<T: WithDType>(
     Ok((kernel, cfg))
 }
 
+/// Whether `core_launch` runs `problem` on the async core (what the masked_bmm backward's products
+/// need to mask their gradient operand in the kernel).
+pub(crate) fn uses_async_core<T: WithDType>(problem: &ProblemArgs, mode: super::F32Matmul) -> bool {
+    core_variant::<T>(problem, mode).1
+}
+
 /// The kernel variant of the core for `T` (a kernel is `{base}_{variant}_{dtype}`, `base` being
 /// `masked_bmm`, `argmin_matmul`...), and whether it is one of the async core (16-byte `cp.async` copies, for operands that allow them: [`ProblemArgs::copyable`]).
 /// f16 / bf16: `_h16` (async) or `_tc` (register-staged TF32). f32 by `mode`:

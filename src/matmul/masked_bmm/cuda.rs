@@ -52,16 +52,16 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
 /// `MaskGradArgs` in `src/cuda/matmul.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct MaskGradArgs {
-    pub(super) mask_batch_stride: i64,
-    pub(super) mask_row_stride: i64,
-    pub(super) mask_col_stride: i64,
-    pub(super) plan_batch_stride: i64,
-    pub(super) batch: u64,
-    pub(super) rows: u64,
-    pub(super) cols: u64,
-    pub(super) row_tiles: u64,
-    pub(super) col_tiles: u64,
+pub(crate) struct MaskGradArgs {
+    pub(crate) mask_batch_stride: i64,
+    pub(crate) mask_row_stride: i64,
+    pub(crate) mask_col_stride: i64,
+    pub(crate) plan_batch_stride: i64,
+    pub(crate) batch: u64,
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) row_tiles: u64,
+    pub(crate) col_tiles: u64,
 }
 // Mirrored by `MaskGradArgs` in src/cuda/matmul.cu.
 mirrored_struct!(MaskGradArgs, 72, kernel_arg);
@@ -69,10 +69,10 @@ mirrored_struct!(MaskGradArgs, 72, kernel_arg);
 /// The output gradient behind the mask (`mask_grad_*` in `src/cuda/matmul.cu`): `grad` is the
 /// contiguous gradient from its element offset `grad_start`, `mask` and `states` views from
 /// their first elements.
-pub(super) fn mask_grad<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
+pub(crate) fn mask_grad<T: WithDType + DeviceRepr + candle_core::cuda_backend::CudaDType>(
     dev: &CudaDevice, grad: &CudaView<'_, T>, grad_start: usize, mask: &CudaView<'_, u8>,
     states: &CudaView<'_, u8>, args: &MaskGradArgs,
-) -> Result<CudaStorage> {
+) -> Result<CudaSlice<T>> {
     let len = (args.batch * args.rows * args.cols) as usize;
     let out = alloc_output::<T>(dev, len)?;
     let tiles = args.batch * args.row_tiles * args.col_tiles;
@@ -94,5 +94,5 @@ pub(super) fn mask_grad<T: WithDType + DeviceRepr + candle_core::cuda_backend::C
             kernel.launch(cfg, kernel_args!(grad, mask, states, &out, args))?;
         }
     }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    Ok(out)
 }

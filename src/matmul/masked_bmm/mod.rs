@@ -7,7 +7,7 @@
 //! product itself is the core in `src/matmul_core.rs` / `src/cuda/matmul.cu`.
 
 use crate::dispatch::check_float_operands;
-use crate::matmul::backward::{span_matmul, tile_spans};
+use crate::matmul::backward::{span_matmul, tile_spans, GradMask};
 use crate::matmul::core::{
     cpu_block_product, row_tile_output, CpuGemm, F32Matmul, MatView, MatmulOptions, TILE,
 };
@@ -398,29 +398,33 @@ impl CustomOp3 for MaskedBmm {
     fn bwd(
         &self, a: &Tensor, b: &Tensor, mask: &Tensor, _res: &Tensor, grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?.apply_op2_no_bwd(
-            mask,
-            &MaskGrad {
-                plan: self.plan.clone(),
-            },
-        )?;
         // Only the spans of non-empty mask tiles contribute: along the mask's columns for
-        // grad_a (per row tile), along its rows for grad_b (per column tile).
+        // grad_a (per row tile), along its rows for grad_b (per column tile). The gradient
+        // behind the mask: on CUDA the products mask it as they read it; on the CPU one pass
+        // writes it first.
+        let grad = grad.contiguous()?;
+        let (grad, in_products) = if grad.device().is_cuda() {
+            let gm = GradMask {
+                mask: mask.clone(),
+                states: self.plan.states.clone(),
+            };
+            (grad, Some(gm))
+        } else {
+            (grad.apply_op2_no_bwd(mask, &MaskGrad)?, None)
+        };
         let (row_spans, col_spans) = self.plan.spans()?;
-        let grad_a = span_matmul(&grad, &b.transpose(1, 2)?, row_spans, false, self.mode)?;
-        let grad_b = span_matmul(&a.transpose(1, 2)?, &grad, col_spans, true, self.mode)?;
+        let (bt, at) = (b.transpose(1, 2)?, a.transpose(1, 2)?);
+        let gm = in_products.as_ref();
+        let grad_a = span_matmul(&grad, &bt, row_spans, false, self.mode, gm)?;
+        let grad_b = span_matmul(&at, &grad, col_spans, true, self.mode, gm)?;
         Ok((Some(grad_a), Some(grad_b), None))
     }
 }
 
-/// The output gradient behind the mask: `keep ? g : 0` (`grad` contiguous `[batch, m, n]`, the
-/// mask u8 `[1 or batch, m, n]`). On CUDA one pass by the plan's tiles: empty tiles write zeros
-/// without reading the gradient, full tiles copy it, partial tiles read the mask.
-struct MaskGrad {
-    /// Read by the CUDA pass; the CPU pass reads the mask alone.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    plan: MaskPlan,
-}
+/// The output gradient behind the mask on the CPU: `keep ? g : 0` (`grad` contiguous `[batch, m,
+/// n]`, the mask u8 `[1 or batch, m, n]`), one rayon pass. (On CUDA the backward's products
+/// apply the mask as they read the gradient.)
+struct MaskGrad;
 
 impl MaskGrad {
     /// `(batch, m, n)` of the gradient and the mask's `[batch, row, col]` strides (batch 0 when
@@ -473,44 +477,7 @@ impl candle_core::CustomOp2 for MaskGrad {
         });
         Ok((out, Shape::from((batch, m, n))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self, grad: &candle_core::CudaStorage, grad_layout: &Layout,
-        mask: &candle_core::CudaStorage, mask_layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let ((batch, m, n), [bs, rs, cs]) = Self::geometry(grad_layout, mask_layout)?;
-        let Some((start, end)) = grad_layout.contiguous_offsets() else {
-            bail!("{OP}: internal error, the gradient is not contiguous");
-        };
-        let lock = self.plan.states.storage_and_layout();
-        let candle_core::Storage::Cuda(states) = &*lock.0 else {
-            bail!("{OP}: the plan is not on the GPU");
-        };
-        let (row_tiles, col_tiles) = (m.div_ceil(TILE), n.div_ceil(TILE));
-        let states = states.as_cuda_slice::<u8>()?.slice(lock.1.start_offset()..);
-        let args = cuda::MaskGradArgs {
-            mask_batch_stride: bs as i64,
-            mask_row_stride: rs as i64,
-            mask_col_stride: cs as i64,
-            plan_batch_stride: plan_batch_stride(states.len(), row_tiles * col_tiles) as i64,
-            batch: batch as u64,
-            rows: m as u64,
-            cols: n as u64,
-            row_tiles: row_tiles as u64,
-            col_tiles: col_tiles as u64,
-        };
-        let mask = mask
-            .as_cuda_slice::<u8>()?
-            .slice(mask_layout.start_offset()..);
-        let dev = &grad.device;
-        let out = crate::dispatch::with_float_cuda!(OP, &grad.slice, |g| {
-            let g = g.slice(start..end);
-            cuda::mask_grad(dev, &g, start, &mask, &states, &args)?
-        });
-        Ok((out, Shape::from((batch, m, n))))
-    }
 }
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
