@@ -4,8 +4,8 @@
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
-    argmin_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm, masked_bmm_with_plan,
-    MaskPlan,
+    argmin_matmul, kmeans_assign, kmeans_assign_with_distances, masked_bmm, masked_bmm_with,
+    masked_bmm_with_plan, F32Matmul, MaskPlan, MatmulOptions,
 };
 use rand::Rng;
 
@@ -397,8 +397,15 @@ fn masked_bmm_autograd_matches_composed() -> Result<()> {
 fn check_masked_backward(
     (a, b, w): (&Var, &Var, &Tensor), mask: &Tensor, what: &str,
 ) -> Result<()> {
+    check_masked_backward_with((a, b, w), mask, &MatmulOptions::default(), what)
+}
+
+/// [`check_masked_backward`] with the call's options (e.g. an f32 mode).
+fn check_masked_backward_with(
+    (a, b, w): (&Var, &Var, &Tensor), mask: &Tensor, options: &MatmulOptions, what: &str,
+) -> Result<()> {
     let dtype = a.dtype();
-    let out = masked_bmm(a.as_tensor(), b.as_tensor(), mask, 0.0)?;
+    let out = masked_bmm_with(a.as_tensor(), b.as_tensor(), mask, 0.0, None, options)?;
     let grads = (out * w)?.sum_all()?.backward()?;
     let cpu64 = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
     let (a64, b64) = (
@@ -459,7 +466,7 @@ fn masked_bmm_backward_at_vector_widths() -> Result<()> {
 /// The backward with masks that are views: a per-batch mask narrowed out of a larger one (an
 /// offset start and a batch stride of its own) and a shared one broadcast over the batch, at
 /// k = 64 (the products 64 wide: CUDA's narrow tiles, the mask applied as the gradient is read)
-/// and k = 80, every dtype.
+/// and k = 80, every dtype, and f32 in the FMA mode.
 #[test]
 fn masked_bmm_backward_with_mask_views() -> Result<()> {
     for_each_device(|dev| {
@@ -481,6 +488,13 @@ fn masked_bmm_backward_with_mask_views() -> Result<()> {
                         mask,
                         &format!("{dtype:?} k {k} {name} mask"),
                     )?;
+                    if dtype == DType::F32 {
+                        // The FMA core stages through registers: on CUDA its products get a
+                        // masked copy of the gradient instead.
+                        let fma = MatmulOptions::with_f32(F32Matmul::Fma);
+                        let what = format!("fma k {k} {name} mask");
+                        check_masked_backward_with((&a, &b, &w), mask, &fma, &what)?;
+                    }
                 }
             }
         }
