@@ -100,6 +100,19 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// cp_async16 that also has L2 fetch the whole 128-byte (PREFETCH 128) or 256-byte segment around
+// the source, for copies whose next stages read the bytes after it.
+template <int PREFETCH>
+__device__ __forceinline__ void cp_async16_prefetch(uint32_t dst, const void* src, int src_bytes) {
+    static_assert(PREFETCH == 0 || PREFETCH == 128 || PREFETCH == 256, "an L2 prefetch size of PTX");
+    if constexpr (PREFETCH == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    } else if constexpr (PREFETCH == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    } else {
+        cp_async16(dst, src, src_bytes);
+    }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

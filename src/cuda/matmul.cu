@@ -321,6 +321,10 @@ constexpr int KROW_BYTES = STAGE_K_BYTES + ROW_PAD_BYTES;
 constexpr int OUTER_PAD = 8;       // [k][outer] rows of TILE + 8 elements (8 mod 32 words for f32)
 constexpr int STAGE_BYTES = TILE * KROW_BYTES;  // per operand and stage, either layout
 constexpr int STAGES = 4;
+// A stage copy has L2 fetch the whole 128-byte line of its source: a k-major operand's rows are
+// read 64 bytes a stage, so the next stage finds its bytes in L2 (measured: bf16 masked_bmm
+// fwd+bwd 1.5-2% faster, no case slower; 256 bytes slowed the TF32 forward by 1.5%).
+constexpr int STAGE_PREFETCH = 128;
 template <typename T> __host__ __device__ constexpr int stage_k() { return STAGE_K_BYTES / sizeof(T); }
 template <typename T> __host__ __device__ constexpr int outer_row() { return TILE + OUTER_PAD; }
 static_assert(stage_k<uint16_t>() * outer_row<uint16_t>() * 2 <= STAGE_BYTES, "16-bit [k][outer] fits a stage");
@@ -390,7 +394,7 @@ template <typename T, bool K_MAJOR> struct StageCopier {
         for (int q = 0; q < 2; ++q) {
             const int valid = K_MAJOR ? min(max(k_left - k_of(q), 0), cap[q]) : (k_left > k_of(q) ? cap[q] : 0);
             const T* src = valid > 0 ? at + q * NEXT * walk : any;
-            cp_async16(buf + dst_of(q), src, valid * int(sizeof(T)));
+            cp_async16_prefetch<STAGE_PREFETCH>(buf + dst_of(q), src, valid * int(sizeof(T)));
         }
     }
 };
