@@ -91,30 +91,23 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
                 &gm.states,
                 &grad_args,
             )?;
+            // The products again, on the masked copy in place of the gradient operand.
             let copy = MatView { start: 0, ..*gv };
-            return if by_cols {
-                launch(
-                    dev,
-                    a,
-                    &masked,
-                    spans,
-                    (av, &copy),
-                    (spans_batch_stride, by_cols),
-                    mode,
-                    None,
-                )
+            let (a, b, views) = if by_cols {
+                (a, &masked, (av, &copy))
             } else {
-                launch(
-                    dev,
-                    &masked,
-                    b,
-                    spans,
-                    (&copy, bv),
-                    (spans_batch_stride, by_cols),
-                    mode,
-                    None,
-                )
+                (&masked, b, (&copy, bv))
             };
+            return launch(
+                dev,
+                a,
+                b,
+                spans,
+                views,
+                (spans_batch_stride, by_cols),
+                mode,
+                None,
+            );
         }
     }
     let out = alloc_output::<T>(dev, batch * m * n)?;

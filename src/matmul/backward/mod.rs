@@ -266,7 +266,9 @@ impl CustomOp2 for SpanMatmul {
                         .as_cuda_slice::<u8>()?
                         .slice(states_layout.start_offset()..),
                     strides: [if mask_batch == 1 { 0 } else { s[0] }, s[1], s[2]],
-                    plan_batch_stride: if states_len > tiles { tiles } else { 0 },
+                    plan_batch_stride: crate::matmul::masked_bmm::plan_batch_stride(
+                        states_len, tiles,
+                    ),
                 })
             }
             None => None,

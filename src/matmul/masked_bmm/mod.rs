@@ -186,7 +186,7 @@ pub fn masked_bmm_with(
 
 /// Plan states between batch entries: `tiles` (one plan entry's tile count) for a per-batch plan
 /// of `plan_len` states, 0 for one plan shared by the batch.
-fn plan_batch_stride(plan_len: usize, tiles: usize) -> usize {
+pub(crate) fn plan_batch_stride(plan_len: usize, tiles: usize) -> usize {
     if plan_len > tiles {
         tiles
     } else {
