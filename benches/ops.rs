@@ -333,6 +333,44 @@ fn bench_bias_add(b: &mut Bench) -> Result<()> {
             }
         }
     }
+    // A dense layer's bias with NNUE's clipped ReLU, forward + backward (the seed of ones and
+    // candle's gradient bookkeeping included, as a training step sees them): fused against
+    // candle's `broadcast_add(..)?.clamp(0, 1)`.
+    let clipped_cases: Vec<Vec<usize>> = if gpu {
+        vec![vec![16384, 32], vec![16384, 4096]]
+    } else {
+        vec![vec![16384, 32], vec![1024, 4096]]
+    };
+    let clipped = candle_fastops::BiasAddOptions {
+        activation: candle_fastops::Activation::ClippedRelu { ceiling: 1.0 },
+    };
+    for shape in clipped_cases {
+        for dtype in [DType::F32, DType::BF16] {
+            let xs = candle_core::Var::from_tensor(&randn(&shape, dtype, &dev)?)?;
+            let bias = candle_core::Var::from_tensor(&randn(&[shape[1]], dtype, &dev)?)?;
+            let bias_b = bias.reshape((1, shape[1]))?;
+            // Forward read + write, backward reads of output and gradient and write.
+            let bytes = 5.0 * xs.elem_count() as f64 * dtype.size_in_bytes() as f64;
+            b.compare(
+                OP,
+                &format!("{shape:?} clipped ReLU fwd+bwd"),
+                dtype,
+                Work::Bytes(bytes),
+                || {
+                    candle_fastops::bias_add_with(&xs, &bias, 1, &clipped)?
+                        .backward()
+                        .map(drop)
+                },
+                "broadcast_add + clamp(0, 1)",
+                || {
+                    xs.broadcast_add(&bias_b)?
+                        .clamp(0f32, 1f32)?
+                        .backward()
+                        .map(drop)
+                },
+            )?;
+        }
+    }
     Ok(())
 }
 

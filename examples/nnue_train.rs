@@ -17,7 +17,8 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_fastops::{
-    check_sparse_indices, FeatureTransformer, IndexCheck, SparseActivation, SparseLinearOptions,
+    bias_add_with, check_sparse_indices, Activation, BiasAddOptions, FeatureTransformer,
+    IndexCheck, SparseLinearOptions,
 };
 use candle_nn::{AdamW, Linear, Module, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use std::time::Instant;
@@ -42,6 +43,9 @@ pub struct Config {
     /// The dense layers' f32 matrix products on TF32 tensor cores (candle's
     /// `set_gemm_reduced_precision_f32`, PyTorch's `allow_tf32`); CUDA only.
     pub tf32: bool,
+    /// The first dense layer as candle writes it, `Linear` then `clamp(0, 1)`, instead of its
+    /// bias and clamp fused in `bias_add_with` (the same function; for comparison).
+    pub candle_clamp: bool,
 }
 
 impl Default for Config {
@@ -59,16 +63,21 @@ impl Default for Config {
             fused_adamw: true,
             profile: false,
             tf32: false,
+            candle_clamp: false,
         }
     }
 }
 
+/// NNUE's activation: the clipped ReLU to [0, 1], fused into the op before it.
+const CLIPPED_RELU: Activation = Activation::ClippedRelu { ceiling: 1.0 };
+
 /// The network: feature transformer (shared by both perspectives) with its clamp to [0, 1]
-/// fused, 2*hidden -> 32, clamp, 32 -> 1.
+/// fused, 2*hidden -> 32 with its clamp fused into the bias add, 32 -> 1.
 pub struct Nnue {
     ft: FeatureTransformer,
     l1: Linear,
     l2: Linear,
+    candle_clamp: bool,
 }
 
 impl Nnue {
@@ -77,7 +86,7 @@ impl Nnue {
         // check is a stream synchronisation).
         let options = SparseLinearOptions {
             index_check: IndexCheck::Unchecked,
-            activation: SparseActivation::ClippedRelu { ceiling: 1.0 },
+            activation: CLIPPED_RELU,
             ..Default::default()
         };
         Ok(Self {
@@ -85,6 +94,7 @@ impl Nnue {
                 .with_options(options),
             l1: candle_nn::linear(2 * cfg.hidden, 32, vb.pp("l1"))?,
             l2: candle_nn::linear(32, 1, vb.pp("l2"))?,
+            candle_clamp: cfg.candle_clamp,
         })
     }
 
@@ -92,7 +102,21 @@ impl Nnue {
         let h = self
             .ft
             .forward_pair(&batch.white, &batch.black, &batch.stm)?;
-        let h = self.l1.forward(&h)?.clamp(0f32, 1f32)?;
+        let h = if self.candle_clamp {
+            self.l1.forward(&h)?.clamp(0f32, 1f32)?
+        } else {
+            // `l1.forward(&h)?.clamp(0, 1)` in two kernels forward and two backward (candle's
+            // clamp takes two forward and about thirty small ones backward).
+            let l1_bias = self
+                .l1
+                .bias()
+                .ok_or_else(|| anyhow::anyhow!("l1 has a bias"))?;
+            let h = h.matmul(&self.l1.weight().t()?)?;
+            let clipped = BiasAddOptions {
+                activation: CLIPPED_RELU,
+            };
+            bias_add_with(&h, l1_bias, D::Minus1, &clipped)?
+        };
         Ok(self.l2.forward(&h)?.squeeze(D::Minus1)?)
     }
 }
@@ -347,9 +371,11 @@ fn main() -> Result<()> {
             }
             "--profile" => cfg.profile = true,
             "--tf32" => cfg.tf32 = true,
+            "--candle-clamp" => cfg.candle_clamp = true,
             other => anyhow::bail!(
                 "unknown argument {other} (try --steps, --batch, --dataset, --inputs, --hidden, \
-                 --lr, --out, --log-every, --optimizer fused-adamw|adamw, --profile, --tf32)"
+                 --lr, --out, --log-every, --optimizer fused-adamw|adamw, --profile, --tf32, \
+                 --candle-clamp)"
             ),
         }
     }

@@ -4,7 +4,7 @@
 //!
 //! | op | what | status |
 //! | --- | --- | --- |
-//! | [`bias_add`] / [`bias_add_`] | TensorFlow `BiasAdd`: a 1-D bias along any dim | implemented |
+//! | [`bias_add`] / [`bias_add_`] / [`bias_add_with`] | TensorFlow `BiasAdd`: a 1-D bias along any dim, optionally with a fused [`Activation`] (a dense layer's bias and clipped ReLU in one pass) | implemented |
 //! | [`sparse_linear`] / [`sparse_linear_pair`] / [`FeatureTransformer`] | NNUE input layer (sparse feature transformer), forward and backward | implemented |
 //! | [`masked_bmm`] / [`masked_bmm_with_plan`] / [`MaskPlan`] | batched matmul masked by a u8 mask, fully masked tiles skipped | implemented (f32-accurate 3-pass TF32 by default, or FMA / TF32 via [`set_f32_matmul`]; f16/bf16 on tensor cores; backward skips empty tiles) |
 //! | [`argmin_matmul`] / [`kmeans_assign`] | argmin over the columns of `a . b` without materialising it (k-means assignment) | implemented (same precision modes) |
@@ -61,6 +61,7 @@
 //!
 //! Enable the GPU path with the `cuda` feature; without it everything runs on the CPU.
 
+mod activation;
 mod attention;
 mod bias_add;
 mod cpu;
@@ -77,11 +78,12 @@ mod softmax;
 mod sparse_linear;
 mod tile_summary;
 
+pub use activation::Activation;
 pub use attention::{
     masked_attention, masked_attention_with, masked_attention_with_lse, AttentionMask,
     AttentionOptions,
 };
-pub use bias_add::{bias_add, bias_add_};
+pub use bias_add::{bias_add, bias_add_, bias_add_with, BiasAddOptions};
 #[doc(hidden)]
 pub use bias_add::{bias_add_with_hint, CacheHint};
 pub use determinism::{deterministic, set_deterministic};

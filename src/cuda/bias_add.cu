@@ -1,4 +1,5 @@
-// Bias-add: dst[e] = src[e] + bias[(e / inner) % channels] over a dense buffer of n elements.
+// Bias-add: dst[e] = src[e] + bias[(e / inner) % channels] over a dense buffer of n elements,
+// clamped to [0, ceiling] in f32 before the store when a clipped ReLU is fused.
 // `inner` is the product of the dims after the bias dim (1 for NHWC / last-dim, H*W for NCHW).
 //
 // Memory-bound: each element is read once and written once, in 16-byte accesses. The
@@ -31,8 +32,10 @@ static_assert(sizeof(FastDiv64) == 24, "FastDiv64 is mirrored by a Rust #[repr(C
 struct BiasAddShape {
     uint64_t n;  // elements of src / dst
     FastDiv64 inner, channels;
+    float ceiling;     // the fused clipped ReLU's upper bound (used when clamped != 0)
+    uint32_t clamped;  // nonzero: dst = clamp(src + bias, 0, ceiling)
 };
-static_assert(sizeof(BiasAddShape) == 56, "BiasAddShape is mirrored by a Rust #[repr(C)] struct of 56 bytes");
+static_assert(sizeof(BiasAddShape) == 64, "BiasAddShape is mirrored by a Rust #[repr(C)] struct of 64 bytes");
 
 // Channel c of element e and e's offset r inside its channel's run of `inner` elements.
 __device__ __forceinline__ void locate(const BiasAddShape& s, uint64_t e, uint64_t& c, uint64_t& r) {
@@ -48,6 +51,9 @@ __device__ void bias_add(const T* src, T* dst, const T* __restrict__ bias, const
     constexpr int VEC = vec_width<T>();
     if (src == nullptr) src = dst;
     const uint64_t n = s.n, inner = s.inner.divisor, channels = s.channels.divisor;
+    const bool clamped = s.clamped != 0;
+    const float ceiling = s.ceiling;
+    auto activate = [&](float v) { return clamped ? clipped_relu(v, ceiling) : v; };
     const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const uint64_t nthreads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
 
@@ -58,7 +64,7 @@ __device__ void bias_add(const T* src, T* dst, const T* __restrict__ bias, const
     auto scalar = [&](uint64_t e) {
         uint64_t c, r;
         locate(s, e, c, r);
-        dst[e] = from_float<T>(to_float(src[e]) + to_float(__ldg(bias + c)));
+        dst[e] = from_float<T>(activate(to_float(src[e]) + to_float(__ldg(bias + c))));
     };
     // Scalar head and tail (fewer than VEC elements each).
     if (tid < head) scalar(tid);
@@ -111,13 +117,52 @@ __device__ void bias_add(const T* src, T* dst, const T* __restrict__ bias, const
 #pragma unroll
         for (int j = 0; j < VEC; j += 2) {
             const float2 xs = to_float2(x.lanes + j);
-            from_float2(y.lanes + j, xs.x + b[j], xs.y + b[j + 1]);
+            from_float2(y.lanes + j, activate(xs.x + b[j]), activate(xs.y + b[j + 1]));
         }
         store16<H>(dst_vec + v, y.raw);
     }
 }
 
+// out[e] = grad[e] where 0 < ys[e] < ceiling (rounded to T, as the stored ys were), else 0:
+// the gradient behind a fused clipped ReLU. Memory-bound; 16-byte vectors when the three
+// buffers are aligned, element by element otherwise; a grid-stride loop.
+template <typename T>
+__device__ void clipped_relu_grad(const T* __restrict__ ys, const T* __restrict__ grad, T* __restrict__ out,
+                                  uint64_t n, float ceiling_in) {
+    constexpr int VEC = vec_width<T>();
+    const float ceiling = to_float(from_float<T>(ceiling_in));
+    const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const uint64_t nthreads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    uint64_t scalar_start = 0;
+    if (aligned16(ys) && aligned16(grad) && aligned16(out)) {
+        const uint64_t nvec = n / VEC;
+        for (uint64_t v = tid; v < nvec; v += nthreads) {
+            Vec16<T> y, g, o;
+            y.raw = load16<CacheHint::Streaming>(reinterpret_cast<const uint4*>(ys) + v);
+            g.raw = load16<CacheHint::Streaming>(reinterpret_cast<const uint4*>(grad) + v);
+#pragma unroll
+            for (int j = 0; j < VEC; j += 2) {
+                const float2 yy = to_float2(y.lanes + j), gg = to_float2(g.lanes + j);
+                from_float2(o.lanes + j, through_clipped_relu(gg.x, yy.x, ceiling),
+                            through_clipped_relu(gg.y, yy.y, ceiling));
+            }
+            store16<CacheHint::Streaming>(reinterpret_cast<uint4*>(out) + v, o.raw);
+        }
+        scalar_start = nvec * VEC;
+    }
+    for (uint64_t e = scalar_start + tid; e < n; e += nthreads)
+        out[e] = from_float<T>(through_clipped_relu(to_float(grad[e]), to_float(ys[e]), ceiling));
+}
+
 }  // namespace
+
+#define CLIPPED_RELU_GRAD_KERNEL(T, SUFFIX)                                                        \
+    extern "C" __global__ void __launch_bounds__(fastops_constants::bias_add::THREADS)             \
+        bias_add_clipped_relu_grad_##SUFFIX(const T* ys, const T* grad, T* out, uint64_t n,        \
+                                            float ceiling) {                                       \
+        clipped_relu_grad<T>(ys, grad, out, n, ceiling);                                           \
+    }
+FASTOPS_FLOAT_KERNELS(CLIPPED_RELU_GRAD_KERNEL)
 
 #define BIAS_ADD_KERNEL(NAME, HINT, T, SUFFIX)                                                     \
     extern "C" __global__ void __launch_bounds__(fastops_constants::bias_add::THREADS)            \

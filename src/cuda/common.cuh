@@ -76,6 +76,17 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// clamp(x, 0, ceiling), a NaN passing through (both comparisons fail).
+__device__ __forceinline__ float clipped_relu(float x, float ceiling) {
+    return x < 0.0f ? 0.0f : (x > ceiling ? ceiling : x);
+}
+
+// The output gradient behind the clipped ReLU: g where 0 < y < ceiling (y the stored output,
+// `ceiling` rounded to its dtype), else 0.
+__device__ __forceinline__ float through_clipped_relu(float g, float y, float ceiling) {
+    return (y > 0.0f && y < ceiling) ? g : 0.0f;
+}
+
 // ---- Warp-level tensor-core pieces (sm_80+), shared by the matmul core and the optimizer's MLP.
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {

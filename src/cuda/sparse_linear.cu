@@ -187,16 +187,6 @@ template <typename T> struct Group<T, false> {
     static __device__ __forceinline__ void store(T* p, const float (&f)[1]) { __stcs(p, from_float<T>(f[0])); }
 };
 
-// clamp(x, 0, ceiling), a NaN passing through (both comparisons fail).
-__device__ __forceinline__ float clipped_relu(float x, float ceiling) {
-    return x < 0.0f ? 0.0f : (x > ceiling ? ceiling : x);
-}
-
-// The output gradient behind the clipped ReLU: g where 0 < y < ceiling (y the stored output,
-// `ceiling` rounded to its dtype), else 0.
-__device__ __forceinline__ float through_clipped_relu(float g, float y, float ceiling) {
-    return (y > 0.0f && y < ceiling) ? g : 0.0f;
-}
 
 template <typename T, bool VEC, int LOADS, int UNROLL>
 __device__ __forceinline__ void sparse_forward(const SparseBatch& s, const T* __restrict__ weight,

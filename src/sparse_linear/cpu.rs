@@ -1,4 +1,5 @@
 use super::*;
+use crate::activation::{acc_of, clipped_relu};
 use candle_core::StorageRef;
 
 /// Read locks on a call's feature tensors, held while the op borrows their data.
@@ -119,41 +120,6 @@ pub(super) fn forward<T: CpuFloat>(
     };
     // SAFETY: every row of `len` elements is written (both halves of each row).
     unsafe { crate::cpu::written_output(len, write_all) }
-}
-
-/// `clamp(x, 0, ceiling)`, a NaN passing through.
-fn clipped_relu<A: num_traits::Float>(x: A, ceiling: A) -> A {
-    if x < A::zero() {
-        A::zero()
-    } else if x > ceiling {
-        ceiling
-    } else {
-        x
-    }
-}
-
-/// The output gradient behind the fused clipped ReLU: `grad` where `0 < output < ceiling` (the
-/// ceiling rounded to `T`, as the output was), zero elsewhere.
-pub(super) fn through_clipped_relu<T: CpuFloat>(grad: &[T], output: &[T], ceiling: f32) -> Vec<T> {
-    let ceiling = T::from_acc(acc_of(ceiling)).to_acc();
-    let zero = T::Acc::zero();
-    grad.par_iter()
-        .zip(output.par_iter())
-        .with_min_len(4096)
-        .map(|(&g, &y)| {
-            let y = y.to_acc();
-            if y > zero && y < ceiling {
-                g
-            } else {
-                T::from_acc(zero)
-            }
-        })
-        .collect()
-}
-
-/// A feature value in the accumulator type (f32 or f64: never fails).
-fn acc_of<A: NumCast + Zero>(v: f32) -> A {
-    A::from(v).unwrap_or_else(A::zero)
 }
 
 /// Weight rows handed to one rayon task in the backward pass.

@@ -14,13 +14,14 @@
 //! gathered gradient row would cost more than the atomics save). The CPU path runs positions in parallel forward, and
 //! weight-row ranges in parallel backward (each thread owns its rows: no races, deterministic).
 
+pub use crate::activation::Activation;
 use crate::cpu::CpuFloat;
 use crate::dispatch::with_float_cpu;
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType,
 };
 use candle_nn::init::Init;
-use num_traits::{NumCast, Zero};
+use num_traits::Zero;
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -122,21 +123,9 @@ pub enum IndexCheck {
     Unchecked,
 }
 
-/// An activation applied to the layer's output inside the op, with its gradient.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum SparseActivation {
-    /// The plain affine output (the default).
-    #[default]
-    Identity,
-    /// NNUE's clipped ReLU, `clamp(y, 0, ceiling)` (a NaN stays NaN). Its gradient passes the
-    /// output gradient where the stored output lies strictly between 0 and `ceiling` (the
-    /// ceiling rounded to the output dtype) and is zero elsewhere, as for `relu` at 0. Fused,
-    /// it costs no pass over the `[batch, out]` activations in either direction: the forward
-    /// clamps before its store and the backward reads the output beside its gradient, where
-    /// `y.clamp(0, ceiling)` on candle ops takes two passes forward and about a dozen backward.
-    /// `ceiling` must be finite and positive.
-    ClippedRelu { ceiling: f32 },
-}
+/// The activations a [`sparse_linear_with`] call can fuse: [`Activation`] under the name this
+/// layer first gave it.
+pub type SparseActivation = Activation;
 
 /// Per-call options of [`sparse_linear_with`] / [`sparse_linear_pair_with`] and
 /// [`FeatureTransformer::with_options`].
@@ -148,8 +137,8 @@ pub struct SparseLinearOptions {
     /// the host, one synchronisation per backward, no atomics). `None` (default) follows
     /// [`crate::set_deterministic`]. The CPU is always deterministic.
     pub deterministic: Option<bool>,
-    /// An activation fused into the output (default [`SparseActivation::Identity`]).
-    pub activation: SparseActivation,
+    /// An activation fused into the output (default [`Activation::Identity`]).
+    pub activation: Activation,
 }
 
 /// Both perspectives of an NNUE position in one launch: `[batch, 2 * out]` whose row `b` is
@@ -398,15 +387,7 @@ impl Features {
             );
         }
         crate::dispatch::check_float_operands(OP, ("weight", weight), &[("bias", bias)], &[])?;
-        let clip_ceiling = match options.activation {
-            SparseActivation::Identity => None,
-            SparseActivation::ClippedRelu { ceiling } => {
-                if !(ceiling.is_finite() && ceiling > 0.0) {
-                    bail!("{OP}: the clipped ReLU's ceiling must be finite and positive, got {ceiling}");
-                }
-                Some(ceiling)
-            }
-        };
+        let clip_ceiling = options.activation.clip_ceiling(OP)?;
         let names = [("white", "white_values"), ("black", "black_values")];
         let names = if sides.len() == 1 {
             &[("indices", "values")][..]
@@ -623,7 +604,9 @@ impl CustomOp1 for SparseLinearGrad {
             let grad = match (&act_lock, f.clip_ceiling) {
                 (Some(lock), Some(ceiling)) => {
                     let output = crate::cpu::locked_slice(lock, OP)?;
-                    std::borrow::Cow::Owned(cpu::through_clipped_relu(grad, output, ceiling))
+                    std::borrow::Cow::Owned(crate::activation::through_clipped_relu(
+                        grad, output, ceiling,
+                    ))
                 }
                 _ => std::borrow::Cow::Borrowed(grad),
             };

@@ -1,6 +1,6 @@
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_fastops::{bias_add, bias_add_};
+use candle_fastops::{bias_add, bias_add_, bias_add_with, Activation, BiasAddOptions};
 
 /// f64 reference: `xs[.., i, ..] + bias[i]` along `dim`, in row-major order.
 pub(crate) fn reference(xs: &Tensor, bias: &Tensor, dim: usize) -> Result<Vec<f64>> {
@@ -236,6 +236,151 @@ fn gradients_match_broadcast_add() {
     })
 }
 
+fn clipped(ceiling: f32) -> BiasAddOptions {
+    BiasAddOptions {
+        activation: Activation::ClippedRelu { ceiling },
+    }
+}
+
+/// f64 reference of the fused clipped ReLU: `clamp(xs + bias, 0, ceiling)` along `dim`.
+fn clipped_reference(xs: &Tensor, bias: &Tensor, dim: usize, ceiling: f32) -> Result<Vec<f64>> {
+    let ceiling = f64::from(ceiling);
+    Ok(reference(xs, bias, dim)?
+        .into_iter()
+        .map(|v| v.clamp(0.0, ceiling))
+        .collect())
+}
+
+#[test]
+fn clipped_relu_forward_matches_reference() {
+    for_each_device(|dev| {
+        let mut salt = 500;
+        for dtype in float_dtypes(dev) {
+            // Ceilings exact in every dtype and not (0.3); inputs spread well past both bounds.
+            for (shape, ceiling) in [
+                (&[4usize, 1031][..], 1.0f32),
+                (&[5, 13, 9, 9], 0.3),
+                (&[257, 33], 2.5),
+                (&[7], 1.0),
+                (&[0, 4], 1.0),
+                (&[2, 0, 3], 1.0),
+            ] {
+                for dim in 0..shape.len() {
+                    salt += 1;
+                    let xs = rand_tensor(shape, 2.0, dtype, dev, salt)?;
+                    let bias = rand_tensor(&[shape[dim]], 1.0, dtype, dev, salt + 1000)?;
+                    let ys = bias_add_with(&xs, &bias, dim, &clipped(ceiling))?;
+                    assert_eq!((ys.dims(), ys.dtype()), (shape, dtype));
+                    assert_close(
+                        &to_f64(&ys)?,
+                        &clipped_reference(&xs, &bias, dim, ceiling)?,
+                        tolerance(dtype),
+                        &format!("{dtype:?} {shape:?} dim {dim} ceiling {ceiling}"),
+                    );
+                }
+            }
+            // Views: transposed, offset, strided; the identity option is plain bias_add.
+            let base = rand_tensor(&[6, 37, 11], 2.0, dtype, dev, salt + 7)?;
+            for (name, xs) in [
+                ("transposed", base.transpose(1, 2)?),
+                ("narrowed (offset)", base.narrow(0, 1, 4)?),
+                ("narrowed last dim (strided)", base.narrow(2, 3, 5)?),
+            ] {
+                let bias = rand_tensor(&[xs.dim(1)?], 1.0, dtype, dev, salt + 8)?;
+                let ys = bias_add_with(&xs, &bias, 1, &clipped(1.0))?;
+                assert_close(
+                    &to_f64(&ys)?,
+                    &clipped_reference(&xs, &bias, 1, 1.0)?,
+                    tolerance(dtype),
+                    &format!("{dtype:?} {name}"),
+                );
+                let plain = bias_add_with(&xs, &bias, 1, &BiasAddOptions::default())?;
+                assert_eq!(to_f64(&plain)?, to_f64(&bias_add(&xs, &bias, 1)?)?);
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn clipped_relu_gradients() {
+    for_each_device(|dev| {
+        for dtype in float_dtypes(dev) {
+            for (shape, dim, ceiling) in [
+                (vec![6usize, 5, 4, 3], 1usize, 1.0f32),
+                (vec![129, 33], 1, 0.3),
+                (vec![9, 17], 0, 2.5),
+                (vec![13], 0, 1.0),
+            ] {
+                let what = format!("{dtype:?} {shape:?} dim {dim} ceiling {ceiling}");
+                let x0 = rand_tensor(&shape, 2.0, dtype, dev, 61)?;
+                let b0 = rand_tensor(&[shape[dim]], 1.0, dtype, dev, 62)?;
+                let weights = rand_tensor(&shape, 1.0, dtype, dev, 63)?;
+                let (xs, bias) = (Var::from_tensor(&x0)?, Var::from_tensor(&b0)?);
+                let ys = bias_add_with(&xs, &bias, dim, &clipped(ceiling))?;
+                let grads = (&ys * &weights)?.sum_all()?.backward()?;
+                // Expected: the loss weights where the stored output is strictly inside
+                // (0, ceiling rounded to the dtype), their sums over the other dims for bias.
+                let top = Tensor::new(ceiling, &candle_core::Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()?;
+                let y = to_f64(&ys)?;
+                let w = to_f64(&weights)?;
+                let grad_x: Vec<f64> = y
+                    .iter()
+                    .zip(&w)
+                    .map(|(&y, &w)| if y > 0.0 && y < top { w } else { 0.0 })
+                    .collect();
+                let inner: usize = shape[dim + 1..].iter().product();
+                let mut grad_b = vec![0f64; shape[dim]];
+                for (i, g) in grad_x.iter().enumerate() {
+                    grad_b[(i / inner) % shape[dim]] += g;
+                }
+                let passed = grad_x.iter().filter(|&&g| g != 0.0).count();
+                assert!(
+                    passed > 0 && passed < grad_x.len(),
+                    "{what}: the inputs must reach both sides of the mask"
+                );
+                let got_x = grads.get(&xs).expect("gradient of xs");
+                assert_eq!(got_x.dims(), &shape[..]);
+                assert_close(&to_f64(got_x)?, &grad_x, 0.0, &format!("grad xs {what}"));
+                let tol = tolerance(dtype) * (shape.iter().product::<usize>() as f64).sqrt();
+                let got_b = grads.get(&bias).expect("gradient of bias");
+                assert_close(&to_f64(got_b)?, &grad_b, tol, &format!("grad bias {what}"));
+                if dtype == DType::F32 {
+                    // Against candle's composed clamp (no random sum lands on a bound in f32).
+                    let mut bshape = vec![1; shape.len()];
+                    bshape[dim] = shape[dim];
+                    let composed = xs
+                        .broadcast_add(&bias.reshape(bshape)?)?
+                        .clamp(0f32, ceiling)?;
+                    let theirs = (&composed * &weights)?.sum_all()?.backward()?;
+                    for (name, var) in [("xs", &xs), ("bias", &bias)] {
+                        assert_close(
+                            &to_f64(grads.get(var).expect("ours"))?,
+                            &to_f64(theirs.get(var).expect("candle's"))?,
+                            1e-5,
+                            &format!("grad {name} against candle's clamp, {what}"),
+                        );
+                    }
+                }
+            }
+        }
+        // A NaN sum stays NaN forward and gets no gradient.
+        let xs = Var::from_tensor(&Tensor::new(&[[f32::NAN, 0.5], [2.0, -1.0]], dev)?)?;
+        let bias = Var::from_tensor(&Tensor::new(&[0.25f32, 0.25], dev)?)?;
+        let ys = bias_add_with(&xs, &bias, 1, &clipped(1.0))?;
+        let y = to_f64(&ys)?;
+        assert!(y[0].is_nan());
+        assert_eq!(&y[1..], &[0.75, 1.0, 0.0]);
+        let grads = ys.sum_all()?.backward()?;
+        assert_eq!(to_f64(grads.get(&xs).expect("grad"))?, [0.0, 1.0, 0.0, 0.0]);
+        assert_eq!(to_f64(grads.get(&bias).expect("grad"))?, [0.0, 1.0]);
+        Ok(())
+    })
+}
+
 fn expect_err(result: Result<impl Sized>, needle: &str) {
     match result {
         Ok(_) => panic!("expected an error containing {needle:?}"),
@@ -257,6 +402,16 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
         expect_err(bias_add(&xs, &bias6, 2), "out of range");
         expect_err(bias_add(&xs, &bias6.reshape((2, 3))?, 1), "must be 1-D");
         expect_err(bias_add(&xs, &bias6, 0), "6 elements but xs has 4");
+        for ceiling in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            expect_err(
+                bias_add_with(&xs, &bias6, 1, &clipped(ceiling)),
+                "ceiling must be finite and positive",
+            );
+        }
+        expect_err(
+            bias_add_with(&xs, &bias6, 0, &clipped(1.0)),
+            "6 elements but xs has 4",
+        );
         expect_err(
             bias_add(&xs, &bias6.to_dtype(DType::F16)?, 1),
             "dtype mismatch",

@@ -69,6 +69,43 @@ fn bias_add_past_2_31() -> Result<()> {
     Ok(())
 }
 
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn bias_add_clipped_relu_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (rows, cols) = (32769, 65536);
+    // bf16 keeps the autograd buffers (input, output, seed, gradient, candle's sum) near 22 GB.
+    let xs = Var::from_tensor(&uniform(&[rows, cols], &dev)?.to_dtype(DType::BF16)?)?;
+    let bias = Var::from_tensor(&(uniform(&[cols], &dev)? * 0.5)?.to_dtype(DType::BF16)?)?;
+    let options = candle_fastops::BiasAddOptions {
+        activation: candle_fastops::Activation::ClippedRelu { ceiling: 0.5 },
+    };
+    let ys = candle_fastops::bias_add_with(&xs, &bias, 1, &options)?;
+    let grads = ys.sum_all()?.backward()?;
+    let grad_xs = grads.get(&xs).expect("gradient of xs");
+    let b = to_f64(&bias)?;
+    for r in sampled(rows) {
+        let x = row(&xs, r)?;
+        let expected: Vec<f64> = x
+            .iter()
+            .zip(&b)
+            .map(|(x, b)| (x + b).clamp(0.0, 0.5))
+            .collect();
+        let y = row(&ys, r)?;
+        assert_close(&y, &expected, 1e-2, &format!("clipped bias_add row {r}"));
+        let expected_grad: Vec<f64> = y
+            .iter()
+            .map(|&y| if y > 0.0 && y < 0.5 { 1.0 } else { 0.0 })
+            .collect();
+        assert_eq!(
+            row(grad_xs, r)?,
+            expected_grad,
+            "clipped ReLU gradient row {r}"
+        );
+    }
+    Ok(())
+}
+
 /// The f64 softmax of one group.
 fn softmax_reference(x: &[f64]) -> Vec<f64> {
     crate::softmax::reference(x, &[x.len()], &[0], false)
