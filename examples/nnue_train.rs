@@ -43,9 +43,21 @@ pub struct Config {
     /// The dense layers' f32 matrix products on TF32 tensor cores (candle's
     /// `set_gemm_reduced_precision_f32`, PyTorch's `allow_tf32`); CUDA only.
     pub tf32: bool,
-    /// The first dense layer as candle writes it, `Linear` then `clamp(0, 1)`, instead of its
-    /// bias and clamp fused in `bias_add_with` (the same function; for comparison).
-    pub candle_clamp: bool,
+    /// How the first dense layer is written (the same function each way; for comparison).
+    pub l1: L1Mode,
+}
+
+/// How the network computes `clamp(l1(ft_pair(x)), 0, 1)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum L1Mode {
+    /// `FeatureTransformer::forward_pair_linear` (the activations never a node of the graph),
+    /// then the bias and the clamp in one `bias_add_with`.
+    #[default]
+    Fused,
+    /// `forward_pair`, `matmul`, then the bias and the clamp in one `bias_add_with`.
+    BiasClamp,
+    /// `forward_pair`, candle_nn's `Linear`, candle's `clamp(0, 1)`.
+    Candle,
 }
 
 impl Default for Config {
@@ -63,7 +75,7 @@ impl Default for Config {
             fused_adamw: true,
             profile: false,
             tf32: false,
-            candle_clamp: false,
+            l1: L1Mode::Fused,
         }
     }
 }
@@ -72,12 +84,13 @@ impl Default for Config {
 const CLIPPED_RELU: Activation = Activation::ClippedRelu { ceiling: 1.0 };
 
 /// The network: feature transformer (shared by both perspectives) with its clamp to [0, 1]
-/// fused, 2*hidden -> 32 with its clamp fused into the bias add, 32 -> 1.
+/// fused, 2*hidden -> 32 (by default multiplied inside the transformer's op, its bias and clamp
+/// in one `bias_add_with`), clamp, 32 -> 1.
 pub struct Nnue {
     ft: FeatureTransformer,
     l1: Linear,
     l2: Linear,
-    candle_clamp: bool,
+    l1_mode: L1Mode,
 }
 
 impl Nnue {
@@ -94,28 +107,37 @@ impl Nnue {
                 .with_options(options),
             l1: candle_nn::linear(2 * cfg.hidden, 32, vb.pp("l1"))?,
             l2: candle_nn::linear(32, 1, vb.pp("l2"))?,
-            candle_clamp: cfg.candle_clamp,
+            l1_mode: cfg.l1,
         })
     }
 
     pub fn forward(&self, batch: &Batch) -> Result<Tensor> {
-        let h = self
-            .ft
-            .forward_pair(&batch.white, &batch.black, &batch.stm)?;
-        let h = if self.candle_clamp {
-            self.l1.forward(&h)?.clamp(0f32, 1f32)?
-        } else {
-            // `l1.forward(&h)?.clamp(0, 1)` in two kernels forward and two backward (candle's
-            // clamp takes two forward and about thirty small ones backward).
-            let l1_bias = self
-                .l1
-                .bias()
-                .ok_or_else(|| anyhow::anyhow!("l1 has a bias"))?;
-            let h = h.matmul(&self.l1.weight().t()?)?;
-            let clipped = BiasAddOptions {
-                activation: CLIPPED_RELU,
-            };
-            bias_add_with(&h, l1_bias, D::Minus1, &clipped)?
+        let (white, black, stm) = (&batch.white, &batch.black, &batch.stm);
+        // The bias and the clamp in one kernel forward and one backward (candle's clamp takes
+        // two forward and about thirty small ones backward).
+        let l1_bias = self
+            .l1
+            .bias()
+            .ok_or_else(|| anyhow::anyhow!("l1 has a bias"))?;
+        let clipped = BiasAddOptions {
+            activation: CLIPPED_RELU,
+        };
+        let h = match self.l1_mode {
+            L1Mode::Fused => {
+                let h = self
+                    .ft
+                    .forward_pair_linear(white, black, stm, self.l1.weight())?;
+                bias_add_with(&h, l1_bias, D::Minus1, &clipped)?
+            }
+            L1Mode::BiasClamp => {
+                let h = self.ft.forward_pair(white, black, stm)?;
+                let h = h.matmul(&self.l1.weight().t()?)?;
+                bias_add_with(&h, l1_bias, D::Minus1, &clipped)?
+            }
+            L1Mode::Candle => {
+                let h = self.ft.forward_pair(white, black, stm)?;
+                self.l1.forward(&h)?.clamp(0f32, 1f32)?
+            }
         };
         Ok(self.l2.forward(&h)?.squeeze(D::Minus1)?)
     }
@@ -371,11 +393,18 @@ fn main() -> Result<()> {
             }
             "--profile" => cfg.profile = true,
             "--tf32" => cfg.tf32 = true,
-            "--candle-clamp" => cfg.candle_clamp = true,
+            "--l1" => {
+                cfg.l1 = match value()?.as_str() {
+                    "fused" => L1Mode::Fused,
+                    "bias-clamp" => L1Mode::BiasClamp,
+                    "candle" => L1Mode::Candle,
+                    other => anyhow::bail!("--l1 {other}: expected fused, bias-clamp or candle"),
+                }
+            }
             other => anyhow::bail!(
                 "unknown argument {other} (try --steps, --batch, --dataset, --inputs, --hidden, \
                  --lr, --out, --log-every, --optimizer fused-adamw|adamw, --profile, --tf32, \
-                 --candle-clamp)"
+                 --l1 fused|bias-clamp|candle)"
             ),
         }
     }

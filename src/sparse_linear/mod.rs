@@ -18,7 +18,8 @@ pub use crate::activation::Activation;
 use crate::cpu::CpuFloat;
 use crate::dispatch::with_float_cpu;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType,
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
+    Tensor, WithDType,
 };
 use candle_nn::init::Init;
 use num_traits::Zero;
@@ -299,6 +300,64 @@ impl FeatureTransformer {
         let (weight, bias) = (&self.weight, &self.bias);
         sparse_linear_pair_with(white, black, stm, weight, bias, &self.options)
     }
+
+    /// [`forward_pair`](Self::forward_pair) fed straight into a bias-free linear layer:
+    /// `forward_pair(..)?.matmul(&next_weight.t()?)`, `[batch, n]` for a `next_weight` of
+    /// `[n, 2 * out]` (candle_nn's `Linear` layout, e.g. `linear.weight()`), in this layer's
+    /// dtype and device.
+    ///
+    /// The result and every gradient (this layer's weight and bias, and `next_weight`) are those
+    /// of the composition, but the `[batch, 2 * out]` activations stay inside the op instead of
+    /// becoming a node of candle's autograd graph: the backward computes their gradient, passes
+    /// it through this layer and drops it, where candle's `backward` adds the gradient of every
+    /// node into a fresh zero tensor (a fill and an add over the activations: 128 MiB each in
+    /// f32 at NNUE's 16384 x 2048, about 0.2 ms a step on an H100; BENCHMARKS.md). The next
+    /// layer's bias and activation follow as usual, e.g. with [`crate::bias_add_with`].
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor, Var};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// let varmap = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// let ft = candle_fastops::FeatureTransformer::new(768, 16, vb.pp("ft"))?;
+    /// let l1 = candle_nn::linear(32, 8, vb.pp("l1"))?;
+    /// let white = Tensor::new(&[[5i32, 70, -1]], &Device::Cpu)?;
+    /// let black = Tensor::new(&[[9i32, 12, 400]], &Device::Cpu)?;
+    /// let stm = Tensor::new(&[0u8], &Device::Cpu)?;
+    /// let fused = ft.forward_pair_linear(&white, &black, &stm, l1.weight())?;
+    /// let composed = ft.forward_pair(&white, &black, &stm)?.matmul(&l1.weight().t()?)?;
+    /// let diff = (fused - composed)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-6);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn forward_pair_linear<'a>(
+        &self, white: impl Into<SparseFeatures<'a>>, black: impl Into<SparseFeatures<'a>>,
+        stm: &Tensor, next_weight: &Tensor,
+    ) -> Result<Tensor> {
+        let (weight, bias) = (&self.weight, &self.bias);
+        let sides = [white.into(), black.into()];
+        let batch = Features::new(&sides, Some(stm), weight, bias, &self.options)?;
+        let width = batch.perspectives() * batch.out;
+        match next_weight.dims() {
+            &[_, k] if k == width => {}
+            dims => bail!(
+                "{OP}: next_weight must be [n, {width}] (2 * out columns, as candle_nn's Linear \
+                 weight), got shape {dims:?}"
+            ),
+        }
+        crate::dispatch::check_float_operands(
+            OP,
+            ("weight", weight),
+            &[("next_weight", next_weight)],
+            &[],
+        )?;
+        if batch.batch == 0 || width == 0 || next_weight.dim(0)? == 0 {
+            // Nothing to multiply: the composition gives the empty or zero result.
+            let hidden = apply(batch, weight, bias)?;
+            return hidden.matmul(&next_weight.t()?);
+        }
+        apply_then_linear(batch, weight, bias, next_weight)
+    }
 }
 
 fn apply(batch: Features, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
@@ -313,6 +372,30 @@ fn apply(batch: Features, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
         SparseLinear {
             batch: Arc::new(batch),
         },
+    )
+}
+
+/// `apply(..)?.matmul(&next.t()?)` with the activations held by the op, not by the graph.
+fn apply_then_linear(
+    batch: Features, weight: &Tensor, bias: &Tensor, next: &Tensor,
+) -> Result<Tensor> {
+    let weight = if weight_row_stride(weight.layout()).is_some() {
+        weight.clone()
+    } else {
+        weight.contiguous()?
+    };
+    let bias = bias.contiguous()?;
+    let batch = Arc::new(batch);
+    let hidden = weight.apply_op2_no_bwd(
+        &bias,
+        &SparseLinear {
+            batch: batch.clone(),
+        },
+    )?;
+    weight.apply_op3(
+        &bias,
+        &next.contiguous()?,
+        SparseLinearThenLinear { batch, hidden },
     )
 }
 
@@ -563,15 +646,89 @@ impl CustomOp2 for SparseLinear {
     fn bwd(
         &self, weight: &Tensor, _bias: &Tensor, res: &Tensor, grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let f = &self.batch;
-        // One buffer for both gradients: rows 0..num_inputs the weight's, the last row the bias's.
-        let grads = grad_res.contiguous()?.apply_op1_no_bwd(&SparseLinearGrad {
-            batch: self.batch.clone(),
-            activation_output: f.clip_ceiling.map(|_| res.contiguous()).transpose()?,
-        })?;
-        let grad_weight = grads.narrow(0, 0, f.num_inputs)?.to_dtype(weight.dtype())?;
-        let grad_bias = grads.get(f.num_inputs)?.to_dtype(weight.dtype())?;
+        let (grad_weight, grad_bias) = layer_grads(&self.batch, weight.dtype(), res, grad_res)?;
         Ok((Some(grad_weight), Some(grad_bias)))
+    }
+}
+
+/// The layer's `(weight, bias)` gradients in `dtype` from its output and the output's gradient.
+fn layer_grads(
+    batch: &Arc<Features>, dtype: DType, output: &Tensor, grad_output: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let f = &**batch;
+    // One buffer for both gradients: rows 0..num_inputs the weight's, the last row the bias's.
+    let grads = grad_output
+        .contiguous()?
+        .apply_op1_no_bwd(&SparseLinearGrad {
+            batch: batch.clone(),
+            activation_output: f.clip_ceiling.map(|_| output.contiguous()).transpose()?,
+        })?;
+    let grad_weight = grads.narrow(0, 0, f.num_inputs)?.to_dtype(dtype)?;
+    let grad_bias = grads.get(f.num_inputs)?.to_dtype(dtype)?;
+    Ok((grad_weight, grad_bias))
+}
+
+/// The layer's output times `next^T` (`FeatureTransformer::forward_pair_linear`), from the
+/// layer's `weight`, `bias` and `next` `[n, width]` (contiguous). `hidden` is the layer's
+/// output `[batch, width]`, computed outside the graph; the forward multiplies it, the backward
+/// takes the three gradients through it.
+struct SparseLinearThenLinear {
+    batch: Arc<Features>,
+    hidden: Tensor,
+}
+
+impl SparseLinearThenLinear {
+    /// `(b, m, n, k)` of the product and the layout of `next^T`.
+    fn product(&self, next_layout: &Layout) -> Result<((usize, usize, usize, usize), Layout)> {
+        let (m, k) = self.hidden.dims2()?;
+        let n = next_layout.dims()[0];
+        Ok(((1, m, n, k), next_layout.transpose(0, 1)?))
+    }
+}
+
+impl CustomOp3 for SparseLinearThenLinear {
+    fn name(&self) -> &'static str {
+        "fastops-sparse-linear-then-linear"
+    }
+
+    fn cpu_fwd(
+        &self, _weight: &CpuStorage, _weight_layout: &Layout, _bias: &CpuStorage,
+        _bias_layout: &Layout, next: &CpuStorage, next_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (bmnk, next_t) = self.product(next_layout)?;
+        let (hidden, hidden_layout) = self.hidden.storage_and_layout();
+        let candle_core::Storage::Cpu(hidden) = &*hidden else {
+            bail!("{OP}: internal error, the activations are not on the CPU");
+        };
+        let out = hidden.matmul(next, bmnk, hidden_layout, &next_t)?;
+        Ok((out, Shape::from((bmnk.1, bmnk.2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self, _weight: &candle_core::CudaStorage, _weight_layout: &Layout,
+        _bias: &candle_core::CudaStorage, _bias_layout: &Layout, next: &candle_core::CudaStorage,
+        next_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (bmnk, next_t) = self.product(next_layout)?;
+        let (hidden, hidden_layout) = self.hidden.storage_and_layout();
+        let candle_core::Storage::Cuda(hidden) = &*hidden else {
+            bail!("{OP}: internal error, the activations are not on the GPU");
+        };
+        let out = hidden.matmul(next, bmnk, hidden_layout, &next_t)?;
+        Ok((out, Shape::from((bmnk.1, bmnk.2))))
+    }
+
+    fn bwd(
+        &self, weight: &Tensor, _bias: &Tensor, next: &Tensor, _res: &Tensor, grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad_hidden = grad_res.matmul(next)?;
+        let (grad_weight, grad_bias) =
+            layer_grads(&self.batch, weight.dtype(), &self.hidden, &grad_hidden)?;
+        let grad_next = grad_res.t()?.matmul(&self.hidden)?;
+        Ok((Some(grad_weight), Some(grad_bias), Some(grad_next)))
     }
 }
 

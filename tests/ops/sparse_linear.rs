@@ -631,6 +631,92 @@ fn deterministic_backward_is_correct_and_repeatable() {
     });
 }
 
+/// `forward_pair_linear` against the composition `forward_pair(..)?.matmul(&next.t()?)`: the
+/// output and the gradients of the layer's weight and bias and of `next`, with and without the
+/// clipped ReLU, every dtype; batch edges; errors for a bad `next`.
+#[test]
+fn forward_pair_linear_matches_the_composition() {
+    for_each_device(|dev| {
+        let (num_inputs, out, n_next) = (97, 13, 5);
+        let mut salt = 12000;
+        for dtype in float_dtypes(dev) {
+            for (batch, activation) in [
+                (37, SparseActivation::Identity),
+                (37, SparseActivation::ClippedRelu { ceiling: 1.0 }),
+                (1, SparseActivation::ClippedRelu { ceiling: 0.3 }),
+                (0, SparseActivation::Identity),
+            ] {
+                salt += 10;
+                let what = format!("{dtype:?} batch {batch} {activation:?}");
+                let white = Batch::random(batch, 6, num_inputs, salt).indices(dev)?;
+                let black = Batch::random(batch, 6, num_inputs, salt + 1).indices(dev)?;
+                let stm: Vec<u8> = (0..batch).map(|b| (b % 3 != 1) as u8).collect();
+                let stm = Tensor::from_vec(stm, batch, dev)?;
+                let weight =
+                    Var::from_tensor(&rand_tensor(&[num_inputs, out], 0.5, dtype, dev, salt + 2)?)?;
+                let bias = Var::from_tensor(&rand_tensor(&[out], 0.5, dtype, dev, salt + 3)?)?;
+                let next =
+                    Var::from_tensor(&rand_tensor(&[n_next, 2 * out], 0.5, dtype, dev, salt + 4)?)?;
+                let ft = FeatureTransformer::from_tensors(
+                    weight.as_tensor().clone(),
+                    bias.as_tensor().clone(),
+                )
+                .with_options(SparseLinearOptions {
+                    activation,
+                    ..Default::default()
+                });
+                let loss_weights = rand_tensor(&[batch, n_next], 1.0, dtype, dev, salt + 5)?;
+                let fused = ft.forward_pair_linear(&white, &black, &stm, &next)?;
+                let composed = ft
+                    .forward_pair(&white, &black, &stm)?
+                    .matmul(&next.as_tensor().t()?)?;
+                assert_eq!(fused.dims(), [batch, n_next], "{what}");
+                assert_eq!(fused.dtype(), dtype, "{what}");
+                let tol = tol(dtype) * 8.0;
+                assert_close(&to_f64(&fused)?, &to_f64(&composed)?, tol, &what);
+                if batch == 0 {
+                    continue;
+                }
+                let ours = (&fused * &loss_weights)?.sum_all()?.backward()?;
+                let theirs = (&composed * &loss_weights)?.sum_all()?.backward()?;
+                for (name, var) in [("weight", &weight), ("bias", &bias), ("next", &next)] {
+                    let got = ours.get(var).expect("our gradient");
+                    assert_eq!(got.dims(), var.dims(), "grad {name} {what}");
+                    assert_close(
+                        &to_f64(got)?,
+                        &to_f64(theirs.get(var).expect("the composition's gradient"))?,
+                        tol,
+                        &format!("grad {name} {what}"),
+                    );
+                }
+            }
+        }
+        // A bad next layer is an error from the call.
+        let white = Batch::random(4, 6, num_inputs, 1).indices(dev)?;
+        let black = Batch::random(4, 6, num_inputs, 2).indices(dev)?;
+        let stm = Tensor::new(&[1u8, 0, 1, 0], dev)?;
+        let ft = FeatureTransformer::from_tensors(
+            rand_tensor(&[num_inputs, out], 0.5, DType::F32, dev, 3)?,
+            rand_tensor(&[out], 0.5, DType::F32, dev, 4)?,
+        );
+        let expect_err = |next: &Tensor, needle: &str| {
+            let err = ft
+                .forward_pair_linear(&white, &black, &stm, next)
+                .expect_err(needle)
+                .to_string();
+            assert!(err.contains(needle), "{err:?} does not mention {needle:?}");
+        };
+        let good = rand_tensor(&[n_next, 2 * out], 0.5, DType::F32, dev, 5)?;
+        expect_err(&good.narrow(1, 0, out)?, "next_weight must be [n, 26]");
+        expect_err(&good.flatten_all()?, "next_weight must be [n, 26]");
+        expect_err(&good.to_dtype(DType::BF16)?, "dtype mismatch");
+        if dev.is_cuda() {
+            expect_err(&good.to_device(&Device::Cpu)?, "device mismatch");
+        }
+        Ok(())
+    });
+}
+
 /// The fused clipped ReLU: forward = clamp(reference, 0, ceiling); gradients of sum(y * r) =
 /// those of the plain layer with r zeroed where the stored output is not strictly inside
 /// (0, ceiling). Single and pair forms, atomic and deterministic backward, every dtype, a
