@@ -313,6 +313,8 @@ impl FeatureTransformer {
     /// node into a fresh zero tensor (a fill and an add over the activations: 128 MiB each in
     /// f32 at NNUE's 16384 x 2048, about 0.2 ms a step on an H100; BENCHMARKS.md). The next
     /// layer's bias and activation follow as usual, e.g. with [`crate::bias_add_with`].
+    /// `next_weight` must share this layer's dtype and device; an empty batch (or an `n` or
+    /// `out` of 0) gives zeros of `[batch, n]`, which pass no gradient.
     ///
     /// ```
     /// use candle_core::{DType, Device, Tensor, Var};
@@ -351,10 +353,10 @@ impl FeatureTransformer {
             &[("next_weight", next_weight)],
             &[],
         )?;
-        if batch.batch == 0 || width == 0 || next_weight.dim(0)? == 0 {
-            // Nothing to multiply: the composition gives the empty or zero result.
-            let hidden = apply(batch, weight, bias)?;
-            return hidden.matmul(&next_weight.t()?);
+        let n = next_weight.dim(0)?;
+        if batch.batch == 0 || width == 0 || n == 0 {
+            // An empty product, or one over no columns: zeros, with no gradient to pass.
+            return Tensor::zeros((batch.batch, n), weight.dtype(), weight.device());
         }
         apply_then_linear(batch, weight, bias, next_weight)
     }
@@ -524,7 +526,12 @@ impl Features {
                 }
                 same_device(weight, stm, "stm")?;
                 let stm = stm.flatten_all()?;
-                Some(stm.ne(&stm.zeros_like()?)?.contiguous()?)
+                if batch == 0 {
+                    // candle's CUDA comparison cannot launch on an empty tensor.
+                    Some(Tensor::zeros(0, DType::U8, stm.device())?)
+                } else {
+                    Some(stm.ne(&stm.zeros_like()?)?.contiguous()?)
+                }
             }
         };
         Ok(Self {
