@@ -621,6 +621,34 @@ fn bench_sparse_linear(b: &mut Bench) -> Result<()> {
                     "the same, candle's clamp",
                     || step(&unchecked, true),
                 )?;
+                // NNUE's first dense layer (2 * out -> 32) multiplied inside the op, against the
+                // same product on the pair's output: forward, a sum as the loss, backward.
+                let next = candle_core::Var::from_tensor(&randn(&[32, 2 * out], dtype, &dev)?)?;
+                let ft = candle_fastops::FeatureTransformer::from_tensors(
+                    wvar.as_tensor().clone(),
+                    bvar.as_tensor().clone(),
+                )
+                .with_options(fused);
+                b.compare(
+                    OP,
+                    &format!("{case} forward_pair_linear (-> 32) + backward"),
+                    dtype,
+                    Work::Bytes(2.0 * gathered),
+                    || {
+                        ft.forward_pair_linear(&idx, &black, &stm, &next)?
+                            .sum_all()?
+                            .backward()
+                            .map(drop)
+                    },
+                    "forward_pair, matmul, backward",
+                    || {
+                        ft.forward_pair(&idx, &black, &stm)?
+                            .matmul(&next.t()?)?
+                            .sum_all()?
+                            .backward()
+                            .map(drop)
+                    },
+                )?;
             }
             if dtype == DType::F32 && headline {
                 let grad = randn(&[batch, out], dtype, &dev)?;
