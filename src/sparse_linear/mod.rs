@@ -336,15 +336,32 @@ impl FeatureTransformer {
         &self, white: impl Into<SparseFeatures<'a>>, black: impl Into<SparseFeatures<'a>>,
         stm: &Tensor, next_weight: &Tensor,
     ) -> Result<Tensor> {
-        let (weight, bias) = (&self.weight, &self.bias);
         let sides = [white.into(), black.into()];
-        let batch = Features::new(&sides, Some(stm), weight, bias, &self.options)?;
+        let batch = Features::new(&sides, Some(stm), &self.weight, &self.bias, &self.options)?;
+        self.then_linear(batch, next_weight)
+    }
+
+    /// [`forward`](Self::forward) fed straight into a bias-free linear layer, as
+    /// [`forward_pair_linear`](Self::forward_pair_linear) does for both perspectives:
+    /// `forward(features)?.matmul(&next_weight.t()?)` for a `next_weight` of `[n, out]`, the
+    /// `[batch, out]` activations kept out of the autograd graph.
+    pub fn forward_linear<'a>(
+        &self, features: impl Into<SparseFeatures<'a>>, next_weight: &Tensor,
+    ) -> Result<Tensor> {
+        let sides = [features.into()];
+        let batch = Features::new(&sides, None, &self.weight, &self.bias, &self.options)?;
+        self.then_linear(batch, next_weight)
+    }
+
+    /// The layer's output for `batch` times `next_weight^T`, `next_weight` checked here.
+    fn then_linear(&self, batch: Features, next_weight: &Tensor) -> Result<Tensor> {
+        let (weight, bias) = (&self.weight, &self.bias);
         let width = batch.perspectives() * batch.out;
         match next_weight.dims() {
             &[_, k] if k == width => {}
             dims => bail!(
-                "{OP}: next_weight must be [n, {width}] (2 * out columns, as candle_nn's Linear \
-                 weight), got shape {dims:?}"
+                "{OP}: next_weight must be [n, {width}] (one column per output of the layer, as \
+                 candle_nn's Linear weight), got shape {dims:?}"
             ),
         }
         crate::dispatch::check_float_operands(

@@ -665,6 +665,30 @@ fn forward_pair_linear_matches_the_composition() {
                     activation,
                     ..Default::default()
                 });
+                if batch > 0 {
+                    // One perspective: `forward_linear` against `forward(..)?.matmul(..)`.
+                    let single = Var::from_tensor(&next.narrow(1, 0, out)?.contiguous()?)?;
+                    let lw = rand_tensor(&[batch, n_next], 1.0, dtype, dev, salt + 6)?;
+                    let ours = ft.forward_linear(&white, &single)?;
+                    let theirs = ft.forward(&white)?.matmul(&single.as_tensor().t()?)?;
+                    let tol = tol(dtype) * 8.0;
+                    assert_close(
+                        &to_f64(&ours)?,
+                        &to_f64(&theirs)?,
+                        tol,
+                        &format!("single {what}"),
+                    );
+                    let ours = (&ours * &lw)?.sum_all()?.backward()?;
+                    let theirs = (&theirs * &lw)?.sum_all()?.backward()?;
+                    for (name, var) in [("weight", &weight), ("bias", &bias), ("next", &single)] {
+                        assert_close(
+                            &to_f64(ours.get(var).expect("our gradient"))?,
+                            &to_f64(theirs.get(var).expect("the composition's gradient"))?,
+                            tol,
+                            &format!("single grad {name} {what}"),
+                        );
+                    }
+                }
                 let loss_weights = rand_tensor(&[batch, n_next], 1.0, dtype, dev, salt + 5)?;
                 let fused = ft.forward_pair_linear(&white, &black, &stm, &next)?;
                 assert_eq!(fused.dims(), [batch, n_next], "{what}");
@@ -710,6 +734,12 @@ fn forward_pair_linear_matches_the_composition() {
         };
         let good = rand_tensor(&[n_next, 2 * out], 0.5, DType::F32, dev, 5)?;
         expect_err(&good.narrow(1, 0, out)?, "next_weight must be [n, 26]");
+        let single_err = ft
+            .forward_linear(&white, &good)
+            .expect_err("26 columns for 13 outputs");
+        assert!(single_err
+            .to_string()
+            .contains("next_weight must be [n, 13]"));
         expect_err(&good.flatten_all()?, "next_weight must be [n, 26]");
         expect_err(&good.to_dtype(DType::BF16)?, "dtype mismatch");
         if dev.is_cuda() {
