@@ -304,8 +304,9 @@ fn cpu_bias_add<T: WithDType>(src: &[T], bias: &[T], map: &ChannelMap) -> Vec<T>
     cpu_bias_add_then(src, bias, map, |sum| sum)
 }
 
-/// `cpu_bias_add` with a clipped ReLU on each sum: clamped in the accumulator type (f32 for
-/// the half types), rounded once.
+/// `cpu_bias_add` with a clipped ReLU on each sum (the sum rounded to `T`, then clamped in the
+/// accumulator type against the unrounded ceiling and rounded again: the same values as the
+/// CUDA kernel's clamp in f32 before one rounding, see `cpu_bias_add_then`).
 fn cpu_bias_add_clipped<T: CpuFloat>(
     src: &[T], bias: &[T], map: &ChannelMap, ceiling: f32,
 ) -> Vec<T> {
