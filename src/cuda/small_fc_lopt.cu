@@ -513,34 +513,96 @@ struct Inputs {
     float row[3], col[3], row_factor[3], col_factor[3];
 };
 
-// ROW_FEATURES = false leaves out what only the row / column features (13..24) of a matrix read:
-// the statistics pass has their sums from lopt_factors.
-template <bool ROW_FEATURES>
-__device__ __forceinline__ Inputs load_inputs(const LoptMeta& t, const Buffers& buf, const float* grad,
-                                              const float* param, uint64_t e) {
-    Inputs s;
-    s.g = grad[e];
-    s.p = param[e];
-    const float* state = buf.elem + t.elem;
+// One chunk of one tensor as the element loops read it: every stream's base at the chunk's first
+// element (or at the tensor's first row / column), so that an element's address is a base plus a
+// 32-bit offset. The block builds it in shared memory when it takes the chunk (open_chunk); the
+// loops then read no tensor metadata from global memory and do no 64-bit index arithmetic.
+struct ChunkStreams {
+    const float* grad;
+    float* param;
+    float* state[4];           // momenta 0..2, then rms
+    float* full[3];            // vectors: the Adafactor accumulators
+    const float* row[3];       // matrices: [k] the k-th row accumulators (indexed by row) ...
+    const float* col[3];       // ... column accumulators,
+    const float* row_factor[3];
+    const float* col_factor[3];  // ... and factors
+    uint64_t first;            // the chunk's first element, as an index into the tensor
+    uint32_t count;            // elements in the chunk (<= CHUNK)
+    uint32_t factored, wide;   // wide: the tensor has 2^32 elements or more (64-bit quotients)
+    uint32_t pad;
+    Divisor inner0, outer0, inner1, outer1;  // element -> row / column index, as in LoptMeta
+};
+
+// Thread 0 fills `c` for chunk `ch`; the caller syncs the block before and after.
+__device__ __forceinline__ void open_chunk(ChunkStreams& c, const LoptMeta& t, const Chunk& ch, const float* grad,
+                                           float* param, const Buffers& buf) {
+    const uint64_t start = ch.start;
+    c.grad = grad + start;
+    c.param = param + start;
 #pragma unroll
-    for (int k = 0; k < 3; ++k) s.m[k] = state[k * t.n + e];
-    s.v = state[3 * t.n + e];
-    if (t.factored) {
-        const uint64_t r = drop_axis(e, t.inner0, t.outer0, t.wide);
-        const uint64_t c = drop_axis(e, t.inner1, t.outer1, t.wide);
+    for (int k = 0; k < 4; ++k) c.state[k] = buf.elem + t.elem + k * t.n + start;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        if (t.factored) {
+            c.row[k] = buf.row + t.row + k * t.rows;
+            c.col[k] = buf.col + t.col + k * t.cols;
+            c.row_factor[k] = buf.row_factor + t.row + k * t.rows;
+            c.col_factor[k] = buf.col_factor + t.col + k * t.cols;
+        } else {
+            c.full[k] = buf.full + t.full + k * t.n + start;
+        }
+    }
+    c.first = start;
+    c.count = static_cast<uint32_t>(min(start + CHUNK, t.n) - start);
+    c.factored = t.factored;
+    c.wide = t.wide;
+    c.inner0 = t.inner0;
+    c.outer0 = t.outer0;
+    c.inner1 = t.inner1;
+    c.outer1 = t.outer1;
+}
+
+// drop_axis for tensors of fewer than 2^32 elements: every index fits 32 bits.
+__device__ __forceinline__ uint32_t drop_axis32(uint32_t e, const Divisor& inner, const Divisor& outer) {
+    const uint32_t q_outer = static_cast<uint32_t>(quotient(e, outer, false));
+    const uint32_t q_inner = static_cast<uint32_t>(quotient(e, inner, false));
+    const uint32_t d = static_cast<uint32_t>(inner.d);
+    return q_outer * d + (e - q_inner * d);
+}
+
+// ROW_FEATURES = false leaves out what only the row / column features (13..24) of a matrix read:
+// the statistics pass has their sums from lopt_factors. `o` is the element's offset in the chunk.
+template <bool ROW_FEATURES, bool WIDE>
+__device__ __forceinline__ Inputs load_inputs(const ChunkStreams& c, uint32_t o) {
+    Inputs s;
+    s.g = c.grad[o];
+    s.p = c.param[o];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) s.m[k] = c.state[k][o];
+    s.v = c.state[3][o];
+    if (c.factored) {
+        uint64_t r, col;
+        if (WIDE) {
+            const uint64_t e = c.first + o;
+            r = drop_axis(e, c.inner0, c.outer0, true);
+            col = drop_axis(e, c.inner1, c.outer1, true);
+        } else {
+            const uint32_t e = static_cast<uint32_t>(c.first) + o;
+            r = drop_axis32(e, c.inner0, c.outer0);
+            col = drop_axis32(e, c.inner1, c.outer1);
+        }
 #pragma unroll
         for (int k = 0; k < 3; ++k) {
-            const uint64_t ri = t.row + k * t.rows + r, ci = t.col + k * t.cols + c;
             if (ROW_FEATURES) {
-                s.row[k] = buf.row[ri];
-                s.col[k] = buf.col[ci];
+                s.row[k] = c.row[k][r];
+                s.col[k] = c.col[k][col];
             }
-            s.row_factor[k] = buf.row_factor[ri];
-            s.col_factor[k] = buf.col_factor[ci];
+            s.row_factor[k] = c.row_factor[k][r];
+            s.col_factor[k] = c.col_factor[k][col];
         }
     } else {
 #pragma unroll
-        for (int k = 0; k < 3; ++k) s.full[k] = buf.full[t.full + k * t.n + e];
+        for (int k = 0; k < 3; ++k) s.full[k] = c.full[k][o];
     }
     return s;
 }
@@ -590,6 +652,35 @@ __device__ __forceinline__ void features(bool factored, const Inputs& s, float (
     }
 }
 
+// lopt_stats over one chunk: the accumulators updated in place, the squared features into acc.
+template <bool WIDE>
+__device__ __forceinline__ void stats_span(const ChunkStreams& c, const Decays& d, float (&acc)[FEATURES]) {
+    const uint32_t count = c.count;
+    const bool factored = c.factored;
+    for (uint32_t o = threadIdx.x; o < count; o += THREADS) {
+        Inputs s = load_inputs<false, WIDE>(c, o);
+        const float g2 = s.g * s.g;
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            s.m[k] = d.momentum[k] * s.m[k] + (1.0f - d.momentum[k]) * s.g;
+            c.state[k][o] = s.m[k];
+        }
+        s.v = d.rms * s.v + (1.0f - d.rms) * g2;
+        c.state[3][o] = s.v;
+        if (!factored) {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+                s.full[k] = d.adafactor[k] * s.full[k] + (1.0f - d.adafactor[k]) * (g2 + 1e-30f);
+                c.full[k][o] = s.full[k];
+            }
+        }
+        float x[FEATURES];
+        features<false>(factored, s, x);
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
+    }
+}
+
 }  // namespace
 
 // Updates every element's accumulators in place (they hold the previous step's on entry) and adds
@@ -599,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
     lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
                StepTensors ptrs, Buffers buf, Decays d, float* chunk_sums) {
     __shared__ float partial[WARPS][FEATURES];
+    __shared__ ChunkStreams streams;
     float acc[FEATURES];
 #pragma unroll
     for (int f = 0; f < FEATURES; ++f) acc[f] = 0.0f;
@@ -611,32 +703,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
             if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
             current = ch.tensor;
         }
-        const LoptMeta& t = meta[ch.tensor];
-        float* param = ptrs.param[ch.tensor - first];
-        float* state = buf.elem + t.elem;
-        const uint64_t end = min(ch.start + CHUNK, t.n);
-        uint64_t e = ch.start + threadIdx.x;
-        for (; e < end; e += THREADS) {
-            Inputs s = load_inputs<false>(t, buf, grad, param, e);
-            const float g2 = s.g * s.g;
-#pragma unroll
-            for (int k = 0; k < 3; ++k) {
-                s.m[k] = d.momentum[k] * s.m[k] + (1.0f - d.momentum[k]) * s.g;
-                state[k * t.n + e] = s.m[k];
-            }
-            s.v = d.rms * s.v + (1.0f - d.rms) * g2;
-            state[3 * t.n + e] = s.v;
-            if (!t.factored) {
-#pragma unroll
-                for (int k = 0; k < 3; ++k) {
-                    s.full[k] = d.adafactor[k] * s.full[k] + (1.0f - d.adafactor[k]) * (g2 + 1e-30f);
-                    buf.full[t.full + k * t.n + e] = s.full[k];
-                }
-            }
-            float x[FEATURES];
-            features<false>(t.factored, s, x);
-#pragma unroll
-            for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
+        __syncthreads();  // the previous chunk's streams are no longer read
+        if (threadIdx.x == 0) open_chunk(streams, meta[ch.tensor], ch, grad, ptrs.param[ch.tensor - first], buf);
+        __syncthreads();
+        if (streams.wide) {
+            stats_span<true>(streams, d, acc);
+        } else {
+            stats_span<false>(streams, d, acc);
         }
         if (chunk_sums != nullptr) flush_sums(acc, partial, chunk_sums + static_cast<uint64_t>(c) * FEATURES, true);
     }
@@ -668,11 +741,9 @@ constexpr int W_IN = 0, B_EFF = W_IN + HIDDEN * FEATURES, W_1 = B_EFF + HIDDEN, 
 
 __device__ __forceinline__ float relu_keep_nan(float s) { return s > 0.0f || s != s ? s : 0.0f; }
 
-// The per-tensor normalisation 1 / sqrt(mean of squares + 1e-5), into norm[0..28].
-__device__ __forceinline__ void load_norms(const float* sums, uint64_t n, float* norm) {
-    __syncthreads();  // the previous tensor's norms are no longer read
-    if (threadIdx.x < FEATURES) norm[threadIdx.x] = 1.0f / sqrtf(sums[threadIdx.x] / static_cast<float>(n) + 1e-5f);
-    __syncthreads();
+// The per-tensor normalisation 1 / sqrt(mean of squares + 1e-5) of feature threadIdx.x < FEATURES.
+__device__ __forceinline__ float feature_norm(const float* sums, uint64_t n) {
+    return 1.0f / sqrtf(sums[threadIdx.x] / static_cast<float>(n) + 1e-5f);
 }
 
 __device__ __forceinline__ float new_param(float p, float direction, float magnitude, const Hyper& h) {
@@ -922,42 +993,46 @@ struct MmaMlp {
     }
 };
 
+// The update pass over one chunk. Every lane of a warp runs every iteration (the tensor-core path
+// needs them all in each mma): a lane past the chunk's end evaluates a copy of its last element
+// (the MLP's rows are independent) and stores nothing.
+template <bool WIDE, class Mlp>
+__device__ __forceinline__ void update_span(const ChunkStreams& c, const Hyper& h, const Mlp& mlp, const float* norm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t count = c.count;
+    for (uint32_t base = warp * 32; base < count; base += blockDim.x) {
+        const uint32_t o = base + lane;
+        const bool active = o < count;
+        const Inputs s = load_inputs<true, WIDE>(c, active ? o : count - 1);
+        float x[FEATURES];
+        features<true>(c.factored, s, x);
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
+        float direction = 0.0f, magnitude = 0.0f;
+        mlp(x, direction, magnitude);
+        if (active) c.param[o] = new_param(s.p, direction, magnitude, h);
+    }
+}
+
 template <class Mlp>
 __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
                                        uint32_t n_chunks, uint32_t first, const StepTensors& ptrs, const Buffers& buf,
-                                       const Hyper& h, const Mlp& mlp, float* norm) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                       const Hyper& h, const Mlp& mlp, float* norm, ChunkStreams& streams) {
     int64_t current = -1;
     for (uint32_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const Chunk ch = chunks[c];
         const float* grad = ptrs.grad[ch.tensor - first];
         if (grad == nullptr) continue;
         const LoptMeta& t = meta[ch.tensor];
-        if (ch.tensor != current) {
-            load_norms(buf.feat_sum + ch.tensor * FEATURES, t.n, norm);
-            current = ch.tensor;
-        }
-        float* param = ptrs.param[ch.tensor - first];
-        const uint64_t end = min(ch.start + CHUNK, t.n);
-        // Warp-uniform trip count: the tensor-core path needs every lane in every mma.
-        uint64_t base = ch.start + warp * 32;
-        for (; base < end; base += blockDim.x) {
-            const uint64_t e = base + lane;
-            const bool active = e < end;
-            Inputs s;
-            if (active) s = load_inputs<true>(t, buf, grad, param, e);
-            float x[FEATURES];
-            if (active) {
-                features<true>(t.factored, s, x);
-#pragma unroll
-                for (int f = 0; f < FEATURES; ++f) x[f] *= norm[f];
-            } else {
-#pragma unroll
-                for (int f = 0; f < FEATURES; ++f) x[f] = 0.0f;
-            }
-            float direction = 0.0f, magnitude = 0.0f;
-            mlp(x, direction, magnitude);
-            if (active) param[e] = new_param(s.p, direction, magnitude, h);
+        __syncthreads();  // the previous chunk's streams and norms are no longer read
+        if (threadIdx.x == 0) open_chunk(streams, t, ch, grad, ptrs.param[ch.tensor - first], buf);
+        if (ch.tensor != current && threadIdx.x < FEATURES) norm[threadIdx.x] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n);
+        current = ch.tensor;
+        __syncthreads();
+        if (streams.wide) {
+            update_span<true>(streams, h, mlp, norm);
+        } else {
+            update_span<false>(streams, h, mlp, norm);
         }
     }
 }
@@ -972,9 +1047,10 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
         __shared__ float norm[FEATURES];                                                                        \
         __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                          \
         __shared__ MmaWeights weights;                                                                          \
+        __shared__ ChunkStreams streams;                                                                        \
         weights.fill(mlp);                                                                                      \
         const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{weights, tiles[threadIdx.x >> 5]};                            \
-        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm);                              \
+        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);                               \
     }
 LOPT_UPDATE_MMA(1, 1)
 #ifdef FASTOPS_TUNING
@@ -989,7 +1065,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
                     uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
     __shared__ float norm[FEATURES];
     __shared__ float w[MLP_FLOATS];
+    __shared__ ChunkStreams streams;
     for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
     __syncthreads();
-    update(meta, chunks, n_chunks, first, ptrs, buf, h, FmaMlp{w}, norm);
+    update(meta, chunks, n_chunks, first, ptrs, buf, h, FmaMlp{w}, norm, streams);
 }
