@@ -86,16 +86,20 @@ pub fn bias_add_with(
     let dim = dim_index(xs, dim)?;
     check_args(xs, bias, dim)?;
     let clip_ceiling = options.activation.clip_ceiling(OP)?;
-    let xs = xs.contiguous()?;
-    let bias = bias.contiguous()?;
-    xs.apply_op2(
-        &bias,
+    apply_bias_add(
+        xs,
+        bias,
         BiasAdd {
             dim,
             hint: CacheHint::default(),
             clip_ceiling,
         },
     )
+}
+
+/// `op` on contiguous copies of `xs` and `bias` (checked by the caller).
+fn apply_bias_add(xs: &Tensor, bias: &Tensor, op: BiasAdd) -> Result<Tensor> {
+    xs.contiguous()?.apply_op2(&bias.contiguous()?, op)
 }
 
 /// `dim` (a `usize` or candle's [`D`](candle_core::D)) as an index into `xs`'s dims.
@@ -118,10 +122,9 @@ pub fn bias_add_with_hint(
     xs: &Tensor, bias: &Tensor, dim: usize, hint: CacheHint,
 ) -> Result<Tensor> {
     check_args(xs, bias, dim)?;
-    let xs = xs.contiguous()?;
-    let bias = bias.contiguous()?;
-    xs.apply_op2(
-        &bias,
+    apply_bias_add(
+        xs,
+        bias,
         BiasAdd {
             dim,
             hint,

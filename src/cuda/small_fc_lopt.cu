@@ -562,6 +562,24 @@ __device__ __forceinline__ void open_chunk(ChunkStreams& c, const LoptMeta& t, c
     c.outer1 = t.outer1;
 }
 
+// A block's walk into chunk `ch`: barrier (the previous chunk's streams are no longer read),
+// thread 0 opens the chunk, every thread runs `between` (other per-chunk shared state), barrier,
+// then `span(std::bool_constant<WIDE>{})` with the chunk's width.
+template <class Between, class Span>
+__device__ __forceinline__ void enter_chunk(ChunkStreams& streams, const LoptMeta& t, const Chunk& ch,
+                                            const float* grad, float* param, const Buffers& buf,
+                                            Between&& between, Span&& span) {
+    __syncthreads();
+    if (threadIdx.x == 0) open_chunk(streams, t, ch, grad, param, buf);
+    between();
+    __syncthreads();
+    if (streams.wide) {
+        span(std::true_type{});
+    } else {
+        span(std::false_type{});
+    }
+}
+
 // drop_axis for tensors of fewer than 2^32 elements: every index fits 32 bits.
 __device__ __forceinline__ uint32_t drop_axis32(uint32_t e, const Divisor& inner, const Divisor& outer) {
     const uint32_t q_outer = static_cast<uint32_t>(quotient(e, outer, false));
@@ -703,14 +721,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
             if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
             current = ch.tensor;
         }
-        __syncthreads();  // the previous chunk's streams are no longer read
-        if (threadIdx.x == 0) open_chunk(streams, meta[ch.tensor], ch, grad, ptrs.param[ch.tensor - first], buf);
-        __syncthreads();
-        if (streams.wide) {
-            stats_span<true>(streams, d, acc);
-        } else {
-            stats_span<false>(streams, d, acc);
-        }
+        enter_chunk(streams, meta[ch.tensor], ch, grad, ptrs.param[ch.tensor - first], buf, [] {},
+                    [&](auto wide) { stats_span<decltype(wide)::value>(streams, d, acc); });
         if (chunk_sums != nullptr) flush_sums(acc, partial, chunk_sums + static_cast<uint64_t>(c) * FEATURES, true);
     }
     if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
@@ -1024,16 +1036,15 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
         const float* grad = ptrs.grad[ch.tensor - first];
         if (grad == nullptr) continue;
         const LoptMeta& t = meta[ch.tensor];
-        __syncthreads();  // the previous chunk's streams and norms are no longer read
-        if (threadIdx.x == 0) open_chunk(streams, t, ch, grad, ptrs.param[ch.tensor - first], buf);
-        if (ch.tensor != current && threadIdx.x < FEATURES) norm[threadIdx.x] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n);
+        const bool new_tensor = ch.tensor != current;
         current = ch.tensor;
-        __syncthreads();
-        if (streams.wide) {
-            update_span<true>(streams, h, mlp, norm);
-        } else {
-            update_span<false>(streams, h, mlp, norm);
-        }
+        enter_chunk(
+            streams, t, ch, grad, ptrs.param[ch.tensor - first], buf,
+            [&] {
+                if (new_tensor && threadIdx.x < FEATURES)
+                    norm[threadIdx.x] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n);
+            },
+            [&](auto wide) { update_span<decltype(wide)::value>(streams, h, mlp, norm); });
     }
 }
 
