@@ -562,9 +562,10 @@ __device__ __forceinline__ void open_chunk(ChunkStreams& c, const LoptMeta& t, c
     c.outer1 = t.outer1;
 }
 
-// A block's walk into chunk `ch`: barrier (the previous chunk's streams are no longer read),
-// thread 0 opens the chunk, every thread runs `between` (other per-chunk shared state), barrier,
-// then `span(std::bool_constant<WIDE>{})` with the chunk's width.
+// A block's walk into chunk `ch`: barrier (the previous chunk's streams, and whatever `between`
+// writes, are no longer read), thread 0 opens the chunk, every thread runs `between` (other
+// per-chunk shared state, e.g. the tensor's feature norms), barrier, then
+// `span(std::bool_constant<WIDE>{})` with the chunk's width.
 template <class Between, class Span>
 __device__ __forceinline__ void enter_chunk(ChunkStreams& streams, const LoptMeta& t, const Chunk& ch,
                                             const float* grad, float* param, const Buffers& buf,
