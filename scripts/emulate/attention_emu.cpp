@@ -83,7 +83,9 @@ template <typename T> static const char* dtype_name() {
     else return "bf16";
 }
 
-template <typename T> static int run_case(const Case& c, uint64_t seed, bool fused = false) {
+// runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
+// the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
+template <typename T> static int run_case(const Case& c, uint64_t seed, bool fused = false, bool runs = false) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
     const int64_t pd = (c.d + 7) / 8 * 8, pdv = (c.dv + 7) / 8 * 8;  // the host pads to 8
@@ -158,6 +160,20 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
     const uint8_t* st = states.empty() ? nullptr : states.data();
     const uint8_t* de = c.kind == DENSE ? dense.data() : nullptr;
     const int64_t* id = c.kind == DOCS ? ids.data() : nullptr;
+    std::vector<int64_t> doc_runs(c.b * c.m);
+    if (runs) {
+        for (int64_t bi = 0; bi < c.b; ++bi)
+            for (int64_t i = 0; i < c.m; ++i) {
+                int64_t first = i, last = i;
+                while (first > 0 && ids[bi * c.m + first - 1] == ids[bi * c.m + i]) --first;
+                while (last + 1 < c.m && ids[bi * c.m + last + 1] == ids[bi * c.m + i]) ++last;
+                doc_runs[bi * c.m + i] = first | (last << 32);
+            }
+        a.mask.kind = C::MASK_RUNS;
+        a.mask.states_batch_stride = 0;
+        st = nullptr;
+        id = doc_runs.data();
+    }
 
     // The kernels, as the host picks them.
     const bool rows = std::is_same_v<T, float>;
@@ -178,25 +194,14 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
         launch(blocks((c.b * c.h * c.m + w - 1) / w), w * 32, 0,
                [&] { attention_fwd_rows_f32(qf, kf, vf, reinterpret_cast<float*>(out.data()), lse.data(), st, de, id, a); });
     } else {
-#define FWD(DD)                                                                                              \
+#define PICK(STEM, DD, S) (runs ? STEM##_runs_d##DD##_##S : STEM##_d##DD##_##S)
+#define FWD(DD, S)                                                                                              \
     launch(blocks(query_blocks), 128, (qtiles + 2 * fwd_stages) * tile,                                              \
-           [&] { attention_fwd_d##DD##_X(q.data(), k.data(), v.data(), out.data(), lse.data(), st, de, id, a); })
+           [&] { PICK(attention_fwd, DD, S)(q.data(), k.data(), v.data(), out.data(), lse.data(), st, de, id, a); })
         if constexpr (std::is_same_v<T, __half>) {
-#define attention_fwd_d64_X attention_fwd_d64_f16
-#define attention_fwd_d128_X attention_fwd_d128_f16
-#define attention_fwd_d256_X attention_fwd_d256_f16
-            if (D == 64) FWD(64); else if (D == 128) FWD(128); else FWD(256);
-#undef attention_fwd_d64_X
-#undef attention_fwd_d128_X
-#undef attention_fwd_d256_X
+            if (D == 64) FWD(64, f16); else if (D == 128) FWD(128, f16); else FWD(256, f16);
         } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-#define attention_fwd_d64_X attention_fwd_d64_bf16
-#define attention_fwd_d128_X attention_fwd_d128_bf16
-#define attention_fwd_d256_X attention_fwd_d256_bf16
-            if (D == 64) FWD(64); else if (D == 128) FWD(128); else FWD(256);
-#undef attention_fwd_d64_X
-#undef attention_fwd_d128_X
-#undef attention_fwd_d256_X
+            if (D == 64) FWD(64, bf16); else if (D == 128) FWD(128, bf16); else FWD(256, bf16);
         }
     }
     // delta = rowsum(dO * O) is written by the dq pass and read by the dk / dv pass.
@@ -226,7 +231,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
                                 nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de, id, a);                    \
         });                                                                                                         \
         launch(dkdv_grid, 128, dkdv_smem + 64 * (64 + C::ROW_PAD) * sizeof(T), [&] {                                \
-            attention_dkdvdq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),          \
+            PICK(attention_dkdvdq, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),          \
                                          delta.data(), nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de,     \
                                          id, a);                                                                    \
         });                                                                                                         \
@@ -238,11 +243,11 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \
         launch(blocks(query_blocks), 128, dq_smem, [&] {                                                          \
-            attention_dq_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),    \
+            PICK(attention_dq, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),    \
                                      dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                     \
         });                                                                                                         \
         launch(dkdv_grid, 128, dkdv_smem, [&] {                                                                     \
-            attention_dkdv_d##DD##_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(), \
+            PICK(attention_dkdv, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(), \
                                        dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                   \
         });                                                                                                         \
     } while (0)
@@ -327,7 +332,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
         std::printf("  %-5s %-4s %s worst %.2e at %zu (got %g, want %g)\n", ok ? "ok" : "FAIL", dtype_name<T>(), what,
                     worst, at, got(at), want[at]);
     };
-    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), fused ? " (fused dq)" : "", (long long)c.b,
+    std::printf("%s%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), fused ? " (fused dq)" : "", runs ? " (runs)" : "", (long long)c.b,
                 (long long)c.h, (long long)c.hk, (long long)c.m, (long long)c.n, (long long)c.d, (long long)c.dv,
                 (long long)(rows ? 0 : D));
     compare("out", [&](size_t i) { return Host<T>::to(out[i]); }, r_out, tol_out);
@@ -352,6 +357,9 @@ int main(int argc, char** argv) {
         {"window 0", 1, 1, 1, 9, 9, 8, 8, WINDOW, 0},
         {"causal d 128, grouped", 1, 2, 1, 130, 130, 128, 128, CAUSAL},
         {"dense d 96", 1, 2, 1, 70, 90, 96, 88, DENSE},
+        {"documents causal d 128, grouped", 1, 4, 2, 200, 200, 128, 120, DOCS, 0, true},
+        {"documents d 96", 2, 1, 1, 150, 150, 96, 96, DOCS, 0, false},
+        {"documents d 200", 1, 1, 1, 100, 100, 200, 136, DOCS, 0, true},
         {"causal d 200", 1, 1, 1, 70, 70, 200, 136, CAUSAL},
     };
     int failures = 0;
@@ -364,6 +372,14 @@ int main(int argc, char** argv) {
         if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {  // the fused kernels' head dim
             failures += run_case<__nv_bfloat16>(c, seed++, true);
             failures += run_case<__half>(c, seed++, true);
+        }
+        if (c.kind == DOCS && c.m == c.n) {  // the runs instances
+            failures += run_case<__nv_bfloat16>(c, seed++, false, true);
+            failures += run_case<__half>(c, seed++, false, true);
+            if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {
+                failures += run_case<__nv_bfloat16>(c, seed++, true, true);
+                failures += run_case<__half>(c, seed++, true, true);
+            }
         }
     }
     std::printf("%s: %d failing checks\n", failures ? "FAILED" : "all ok", failures);

@@ -24,6 +24,9 @@
 
 struct uint4 { uint32_t x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
+struct alignas(8) int2 { int x, y; };
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
 struct Dim3 { uint32_t x = 0, y = 0, z = 0; };
 inline Dim3 threadIdx, blockIdx;
 inline Dim3 gridDim, blockDim;

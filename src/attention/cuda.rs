@@ -101,7 +101,7 @@ pub(super) struct DeviceMask {
     dense: Option<Tensor>,
     ids: Option<Tensor>,
     /// Documents in contiguous runs: each position's document (`document_runs`), which the
-    /// Hopper kernels read in place of the ids and tile states.
+    /// tensor-core kernels (Hopper and portable) read in place of the ids and tile states.
     runs: Option<Tensor>,
 }
 
@@ -131,7 +131,7 @@ impl DeviceMask {
                 dm.args.states_batch_stride = tiles as i64;
                 dm.states = Some(states.clone());
                 dm.ids = Some(ids.clone());
-                dm.runs = runs.clone().filter(|_| hopper_runs_chosen());
+                dm.runs = runs.clone().filter(|_| runs_chosen());
             }
             (Kind::Dense { mask }, Some(TileData::DenseStates(states))) => {
                 let (mb, mh, _, _) = mask.dims4()?;
@@ -155,10 +155,11 @@ impl DeviceMask {
         Ok(dm)
     }
 
-    /// The mask as the Hopper kernels read it: documents in contiguous runs become `MASK_RUNS`
-    /// (each query sees one run of keys: the per-position runs in place of the ids, no tile
-    /// states); every other mask stays as it is.
-    fn for_hopper(&self) -> DeviceMask {
+    /// The mask as the tensor-core kernels (Hopper and portable) read it: documents in
+    /// contiguous runs become `MASK_RUNS` (each query sees one run of keys: the per-position runs
+    /// in place of the ids, no tile states); every other mask stays as it is. The f32 kernels
+    /// read the mask as it is.
+    fn with_runs(&self) -> DeviceMask {
         match &self.runs {
             Some(runs) => DeviceMask {
                 args: MaskArgs {
@@ -174,12 +175,21 @@ impl DeviceMask {
             None => self.clone(),
         }
     }
+
+    /// The mask as the kernels of `path` read it: [`Self::with_runs`] for the tensor-core
+    /// kernels, as it is for the f32 ones.
+    fn for_path(&self, path: Path) -> DeviceMask {
+        match path {
+            Path::TensorCores { .. } => self.with_runs(),
+            Path::Rows => self.clone(),
+        }
+    }
 }
 
-/// Whether the Hopper kernels read documents in contiguous runs as runs (`MASK_RUNS`), the
+/// Whether the tensor-core kernels read documents in contiguous runs as runs (`MASK_RUNS`), the
 /// default; `CANDLE_FASTOPS_ATTENTION_RUNS=0` makes them read the tile states and ids instead (as
 /// for documents whose ids recur), for comparisons. Read once per process.
-fn hopper_runs_chosen() -> bool {
+fn runs_chosen() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOSEN.get_or_init(|| std::env::var("CANDLE_FASTOPS_ATTENTION_RUNS").as_deref() != Ok("0"))
 }
@@ -317,7 +327,12 @@ impl Path {
         Path::TensorCores { head_tile }
     }
 
-    fn kernel<T: WithDType>(self, dev: &CudaDevice, pass: Pass) -> Result<Kernel> {
+    /// The kernel of a pass for a mask as [`DeviceMask::for_path`] gives it: the tensor-core
+    /// passes that read a mask have an instance for generated and stored masks and one for runs
+    /// (`attention_{stem}_runs_d{head_tile}_*`).
+    fn kernel<T: WithDType>(
+        self, dev: &CudaDevice, pass: Pass, mask: &DeviceMask,
+    ) -> Result<Kernel> {
         let stem = match pass {
             Pass::Forward => "attention_fwd",
             Pass::Dq => "attention_dq",
@@ -327,6 +342,9 @@ impl Path {
         };
         let tile = match (self, pass) {
             (_, Pass::Delta) => String::new(),
+            (Path::TensorCores { head_tile }, _) if mask.args.kind == C::MASK_RUNS => {
+                format!("runs_d{head_tile}")
+            }
             (Path::TensorCores { head_tile }, _) => format!("d{head_tile}"),
             (Path::Rows, _) => "rows".to_string(),
         };
@@ -632,6 +650,7 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
     if p.batch * p.heads * p.m > 0 {
         let path = Path::of(p, T::DTYPE);
+        let mask = &mask.for_path(path);
         let a = args(p, mask, [ql, kl, vl]);
         let (qv, kv, vv) = (
             q.as_cuda_slice::<T>()?.slice(ql.start_offset()..),
@@ -652,11 +671,7 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 );
                 match maps {
                     (Some(k_map), Some(v_map)) => {
-                        let mask = mask.for_hopper();
-                        let a = args(p, &mask, [ql, kl, vl]);
-                        let held = hold_all(&mask);
-                        let views = mask_views(&held)?;
-                        let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, &mask, head_tile)?;
+                        let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, mask, head_tile)?;
                         // SAFETY: the arguments match `attention_fwd_sm90_*(q, k_map, v_map,
                         // out, lse, states, dense, ids, args)`. The kernel reads q, the mask's
                         // buffers and writes out and lse as the portable forward below does; k
@@ -677,7 +692,7 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
             None => false,
         };
         if !hopper {
-            let kernel = path.kernel::<T>(dev, Pass::Forward)?;
+            let kernel = path.kernel::<T>(dev, Pass::Forward, mask)?;
             let cfg = path.config(p, Pass::Forward, T::DTYPE.size_in_bytes());
             // SAFETY: the arguments match `attention_fwd_*(q, k, v, out, lse, states, dense,
             // ids, args)`. Every element read lies in the operands' layouts (rows below m or n,
@@ -806,14 +821,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
-    let hopper_mask;
-    let mask = match hopper {
-        Some(_) => {
-            hopper_mask = mask.for_hopper();
-            &hopper_mask
-        }
-        None => mask,
-    };
+    let mask = &mask.for_path(path);
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
@@ -824,7 +832,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     // grad_out, out, lse, delta, dq, dk, dv, dq_accum, the mask's buffers and the arguments; a
     // buffer this mode lacks is a null pointer, which no pass of the mode touches.
     let run = |pass: Pass| -> Result<()> {
-        let kernel = path.kernel::<T>(dev, pass)?;
+        let kernel = path.kernel::<T>(dev, pass, mask)?;
         // SAFETY: the arguments match BACKWARD_PARAMS. Reads are as in the forward plus rows
         // below m of grad_out, out and lse (contiguous, rows 16-byte aligned as `operand_ok`
         // checked). dq and delta write rows below m of delta ([b, h, m], before dk / dv read

@@ -307,10 +307,11 @@ constexpr int DS_LD = BQ + AC::ROW_PAD;
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
 // to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
-template <typename T, int D> struct QueryTile {
+// MASKS: the MaskFamily of the kernel instance.
+template <typename T, int D, int MASKS> struct QueryTile {
     static constexpr int MF = query_tiles<D>(), WARP_ROWS = 16 * MF;
     const AttentionArgs& a;
-    MaskView mask;
+    KernelMask<MASKS> mask;
     int64_t qt0, warp_qt, bh, h, i0, rows;
     int64_t kt_first, kt_last;  // generated masks: the key tiles any query of the block may see
     const T* q_tile;
@@ -319,7 +320,7 @@ template <typename T, int D> struct QueryTile {
 
     __device__ __forceinline__ QueryTile(const AttentionArgs& a_, const T* q, const T* k, const T* v,
                                          const uint8_t* states, const uint8_t* dense, const int64_t* ids)
-        : a(a_), mask{a_, states, dense, ids, 0} {
+        : a(a_), mask{{a_, states, dense, ids, 0}} {
         const int64_t heads_total = a.batch * a.heads, block = blockIdx.x;
         const int64_t row_blocks = (a.row_tiles + MF - 1) / MF;
         qt0 = (row_blocks - 1 - block / heads_total) * MF;
@@ -327,7 +328,7 @@ template <typename T, int D> struct QueryTile {
         bh = block % heads_total;
         const int64_t b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
         h = bh % a.heads;
-        mask.b = b;
+        mask.view.b = b;
         i0 = qt0 * BQ;
         rows = min(static_cast<int64_t>(BQ * MF), a.m - i0);
         mask.key_tiles(i0, i0 + rows - 1, kt_first, kt_last);
@@ -432,7 +433,7 @@ template <typename T, int D> struct QueryTile {
     }
 };
 
-template <typename T, int D>
+template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
@@ -443,7 +444,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
     T* sk = sq + MF * E;                        // S stages
     T* sv = sq + (MF + S) * E;                  // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const QueryTile<T, D> tile(a, q, k, v, states, dense, ids);
+    const QueryTile<T, D, MASKS> tile(a, q, k, v, states, dense, ids);
     const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
     load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
 
@@ -526,7 +527,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 
 // dq = scale * sum over keys of dS K, dS = P * (dO Vᵀ - delta), per query tile; delta = rowsum(dO * O)
 // (in f32 from the operand type), which the dk / dv pass reads, is written here.
-template <typename T, int D>
+template <typename T, int D, int MASKS>
 __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
     constexpr int MF = query_tiles<D>();
@@ -536,7 +537,7 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
     T* sk = sq + 2 * MF * E;                    // S stages
     T* sv = sq + (2 * MF + S) * E;              // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const QueryTile<T, D> tile(a, ops.q, ops.k, ops.v, ops.states, ops.dense, ops.ids);
+    const QueryTile<T, D, MASKS> tile(a, ops.q, ops.k, ops.v, ops.states, ops.dense, ops.ids);
     const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
     load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
     load_tile<T, D, 64 * MF>(sdo, ops.grad_out + (bh * a.m + tile.i0) * a.dv, a.dv, tile.rows, a.dv);
@@ -607,7 +608,8 @@ __device__ __forceinline__ void per_column(float (&acc)[NT][4], const float* sta
 // of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both. FUSED_DQ (PARTS 3): the
 // block also adds scale * dS K, its key tile's share of dq, into ops.dq_accum with float atomics
 // (the order of the additions varies run to run), which leaves dq_tc only delta to compute.
-template <typename T, int D, int PARTS, bool FUSED_DQ>
+// MASKS: the MaskFamily of the kernel instance.
+template <typename T, int D, int PARTS, bool FUSED_DQ, int MASKS>
 __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
     extern __shared__ uint4 shared_raw[];
@@ -624,7 +626,7 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
     const int64_t kt = block / kv_total;  // the key tiles most queries see first (causal masks)
     const int64_t bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
-    const MaskView mask{a, ops.states, ops.dense, ops.ids, b};
+    const KernelMask<MASKS> mask{{a, ops.states, ops.dense, ops.ids, b}};
     const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
     load_tile<T, D>(sk, ops.k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
     load_tile<T, D>(sv, ops.v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
@@ -949,36 +951,46 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
 // Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
 // dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
 // accumulator), attention_dkdvdq_d128_{f16,bf16} (dk / dv with dq added into dq_accum) with
-// attention_delta_{f16,bf16} before it, and attention_{fwd,dq,dkdv}_rows_f32. The backward
-// kernels take one argument list, BACKWARD_PARAMS. The deterministic backward runs dq (which
-// writes delta), then dk / dv (which reads it); the fused one delta, then dk / dv / dq.
-#define ATTENTION_TC(T, RUST, D)                                                                                      \
+// attention_delta_{f16,bf16} before it, and attention_{fwd,dq,dkdv}_rows_f32. The tensor-core
+// kernels read generated (full, causal, window) and stored masks; their attention_*_runs_*
+// instances read documents in contiguous runs (MASK_RUNS). The backward kernels take one argument
+// list, BACKWARD_PARAMS. The deterministic backward runs dq (which writes delta), then dk / dv
+// (which reads it); the fused one delta, then dk / dv / dq.
+#define ATTENTION_TC(T, RUST, D, MASKS, INFIX)                                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-        attention_fwd_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse, const uint8_t* states,   \
-                                    const uint8_t* dense, const int64_t* ids, AttentionArgs a) {                      \
-        forward_tc<T, D>(q, k, v, out, lse, states, dense, ids, a);                                                   \
+        attention_fwd_##INFIX##d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse,                  \
+                                             const uint8_t* states, const uint8_t* dense, const int64_t* ids,         \
+                                             AttentionArgs a) {                                                       \
+        forward_tc<T, D, MASKS>(q, k, v, out, lse, states, dense, ids, a);                                            \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_d##D##_##RUST(BACKWARD_PARAMS(T)) {            \
-        dq_tc<T, D>(BACKWARD_OPERANDS(T), a);                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) {   \
+        dq_tc<T, D, MASKS>(BACKWARD_OPERANDS(T), a);                                                                  \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_d##D##_##RUST(BACKWARD_PARAMS(T)) {          \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) { \
         if constexpr (D > 128) {                                                                                      \
             if (blockIdx.y == 0)                                                                                      \
-                dkdv_tc<T, D, 1, false>(BACKWARD_OPERANDS(T), a);                                                     \
+                dkdv_tc<T, D, 1, false, MASKS>(BACKWARD_OPERANDS(T), a);                                              \
             else                                                                                                      \
-                dkdv_tc<T, D, 2, false>(BACKWARD_OPERANDS(T), a);                                                     \
+                dkdv_tc<T, D, 2, false, MASKS>(BACKWARD_OPERANDS(T), a);                                              \
         } else {                                                                                                      \
-            dkdv_tc<T, D, 3, false>(BACKWARD_OPERANDS(T), a);                                                         \
+            dkdv_tc<T, D, 3, false, MASKS>(BACKWARD_OPERANDS(T), a);                                                  \
         }                                                                                                             \
     }
 
-#define ATTENTION_FUSED(T, RUST, D)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdvdq_d##D##_##RUST(BACKWARD_PARAMS(T)) {        \
-        dkdv_tc<T, D, 3, true>(BACKWARD_OPERANDS(T), a);                                                              \
+#define ATTENTION_FUSED(T, RUST, D, MASKS, INFIX)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+        attention_dkdvdq_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) {                                                 \
+        dkdv_tc<T, D, 3, true, MASKS>(BACKWARD_OPERANDS(T), a);                                                       \
     }
 
+#define ATTENTION_TC_MASKS(T, RUST, MASKS, INFIX)                                                                     \
+    ATTENTION_TC(T, RUST, 64, MASKS, INFIX)                                                                           \
+    ATTENTION_TC(T, RUST, 128, MASKS, INFIX)                                                                          \
+    ATTENTION_TC(T, RUST, 256, MASKS, INFIX) ATTENTION_FUSED(T, RUST, 128, MASKS, INFIX)
+
 #define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
-    ATTENTION_TC(T, RUST, 64) ATTENTION_TC(T, RUST, 128) ATTENTION_TC(T, RUST, 256) ATTENTION_FUSED(T, RUST, 128)     \
+    ATTENTION_TC_MASKS(T, RUST, FORMULA_OR_STORED, )                                                                  \
+    ATTENTION_TC_MASKS(T, RUST, RUNS, runs_)                                                                          \
     extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \
         delta_rows<T>(BACKWARD_OPERANDS(T), a);                                                                       \
     }

@@ -291,6 +291,43 @@ struct MaskView {
     }
 };
 
+// How a kernel instance reads its mask: FORMULA (full, causal and window masks, in closed form),
+// RUNS (documents whose ids form contiguous runs: MaskView's runs_*, read per position), STORED
+// (tile states and entries in memory: other documents, dense masks) or, in one instance,
+// FORMULA_OR_STORED (either of those two, by the mask's kind at run time: the portable kernels'
+// default instance). FORMULA and RUNS masks are "generated": each query sees one run of keys and
+// each key is seen by one run of queries.
+enum MaskFamily { FORMULA, RUNS, STORED, FORMULA_OR_STORED };
+template <int MASKS> struct KernelMask {
+    MaskView view;
+    __device__ __forceinline__ bool generated() const {
+        if constexpr (MASKS == FORMULA_OR_STORED) return view.generated();
+        else return MASKS != STORED;
+    }
+    __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
+        if constexpr (MASKS == RUNS) return view.runs_span(qt, BQ, true).state(kt * BK, BK, view.a.n);
+        return view.tile_state(h, qt, kt);
+    }
+    __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
+        if constexpr (MASKS == RUNS) view.runs_run(i, true, j0, len, lo, hi);
+        else view.key_run(i, j0, len, lo, hi);
+    }
+    __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
+        if constexpr (MASKS == RUNS) view.runs_run(j, false, i0, len, lo, hi);
+        else view.query_run(j, i0, len, lo, hi);
+    }
+    __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
+        if constexpr (MASKS == RUNS) view.runs_tiles(i_first, i_last, true, BK, first, last);
+        else view.key_tiles(i_first, i_last, first, last);
+    }
+    __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
+                                                   int64_t& last) const {
+        if constexpr (MASKS == RUNS) view.runs_tiles(j_first, j_last, false, BQ, first, last);
+        else view.query_tiles_of(j_first, j_last, first, last);
+    }
+    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
+};
+
 // The first item in (item, end) for which live(item) holds (end when none), the lanes of a warp
 // testing 32 items at a time. Every lane of the warp must call it, with the same arguments; it
 // replaces a serial walk whose every step waits on a load of the mask's tile states.

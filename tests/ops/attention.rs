@@ -302,6 +302,11 @@ fn every_dtype_shape_and_layout() -> Result<()> {
                 ((1, 2, 2, 70, 70, 200, 136), Spec::Causal, Views::Plain),
                 ((2, 1, 1, 33, 45, 13, 5), Spec::Full, Views::Plain),
                 ((1, 2, 1, 66, 66, 40, 24), Spec::Causal, Views::Offset),
+                (
+                    (1, 2, 1, 100, 100, 200, 136),
+                    Spec::Documents(documents(1, 100, 31), true),
+                    Views::Plain,
+                ),
             ];
             for (dims, spec, views) in &cases {
                 check(
@@ -680,9 +685,25 @@ fn gradients_match_composed_attention() -> Result<()> {
             ),
             (
                 "documents, not causal",
-                Spec::Documents(docs, false),
+                Spec::Documents(docs.clone(), false),
                 n,
                 (d, dv),
+                0.4,
+            ),
+            // Documents at the head tiles of 128 and 256 (on CUDA the runs kernels' fused and
+            // two-pass backwards).
+            (
+                "documents, d 96",
+                Spec::Documents(docs.clone(), true),
+                n,
+                (96, 128),
+                0.4,
+            ),
+            (
+                "documents, not causal, d 200",
+                Spec::Documents(docs, false),
+                n,
+                (200, 136),
                 0.4,
             ),
             ("full", Spec::Full, m, (d, dv), 0.4),

@@ -161,37 +161,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
         : "memory");
 }
 
-// How a kernel instance reads its mask: FORMULA (full, causal and window masks, in closed form),
-// RUNS (documents whose ids form contiguous runs: MaskView's runs_*, read per position) or STORED
-// (tile states and entries in memory: other documents, dense masks). FORMULA and RUNS masks are
-// "generated": each query sees one run of keys and each key is seen by one run of queries.
-enum MaskFamily { FORMULA, RUNS, STORED };
-template <int MASKS> struct KernelMask {
-    MaskView view;
-    __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
-        if constexpr (MASKS == RUNS) return view.runs_span(qt, BQ, true).state(kt * BK, BK, view.a.n);
-        return view.tile_state(h, qt, kt);
-    }
-    __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
-        if constexpr (MASKS == RUNS) view.runs_run(i, true, j0, len, lo, hi);
-        else view.key_run(i, j0, len, lo, hi);
-    }
-    __device__ __forceinline__ void query_run(int64_t j, int64_t i0, int len, int& lo, int& hi) const {
-        if constexpr (MASKS == RUNS) view.runs_run(j, false, i0, len, lo, hi);
-        else view.query_run(j, i0, len, lo, hi);
-    }
-    __device__ __forceinline__ void key_tiles(int64_t i_first, int64_t i_last, int64_t& first, int64_t& last) const {
-        if constexpr (MASKS == RUNS) view.runs_tiles(i_first, i_last, true, BK, first, last);
-        else view.key_tiles(i_first, i_last, first, last);
-    }
-    __device__ __forceinline__ void query_tiles_of(int64_t j_first, int64_t j_last, int64_t& first,
-                                                   int64_t& last) const {
-        if constexpr (MASKS == RUNS) view.runs_tiles(j_first, j_last, false, BQ, first, last);
-        else view.query_tiles_of(j_first, j_last, first, last);
-    }
-    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
-};
-
 // The TMA copy of shared memory at src into the box at coordinates c0 .. c3 of a 4-d tensor map
 // (elements past the tensor's bounds are not written), committed as a bulk group.
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
