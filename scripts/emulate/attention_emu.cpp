@@ -85,7 +85,7 @@ template <typename T> static const char* dtype_name() {
 
 // runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
 // the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
-template <typename T> static int run_case(const Case& c, uint64_t seed, bool fused = false, bool runs = false) {
+template <typename T> static int run_case(const Case& c, uint64_t seed, bool runs = false) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
     const int64_t pd = (c.d + 7) / 8 * 8, pdv = (c.dv + 7) / 8 * 8;  // the host pads to 8
@@ -211,50 +211,31 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
         auto cf = [](const auto& x) { return reinterpret_cast<const float*>(x.data()); };
         launch(blocks((c.b * c.h * c.m + w - 1) / w), w * 32, 0, [&] {
             attention_dq_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), f(dq), nullptr, nullptr,
-                                  nullptr, st, de, id, a);
+                                  st, de, id, a);
         });
         launch(blocks((c.b * c.hk * c.n + w - 1) / w), w * 32, 0, [&] {
             attention_dkdv_rows_f32(cf(q), cf(k), cf(v), cf(go), cf(out), lse.data(), delta.data(), nullptr, f(dk),
-                                    f(dvv), nullptr, st, de, id, a);
+                                    f(dvv), st, de, id, a);
         });
     } else {
         const size_t dq_smem = (2 * qtiles + 2 * dq_stages) * tile,
                      dkdv_smem = (2 + 2 * dkdv_stages) * tile + 2 * dkdv_stages * 64 * 4;
         const Dim3 dkdv_grid{static_cast<uint32_t>(c.b * c.hk * ct), D > 128 ? 2u : 1u, 1};
-        // The fused backward (D = 128): delta, then dk / dv with dq added into an f32 buffer
-        // ([b, h, rt * 64, 128], scaled in the kernel), rounded to T as the host's cast does.
-        std::vector<float> dq_accum(static_cast<size_t>(c.b * c.h * rt * 64 * 128), 0.f);
-#define FUSED_BWD(DD, S)                                                                                           \
-    do {                                                                                                            \
-        launch(blocks((c.b * c.h * c.m + C::ROW_WARPS - 1) / C::ROW_WARPS), C::ROW_WARPS * 32, 0, [&] {           \
-            attention_delta_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),       \
-                                nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de, id, a);                    \
-        });                                                                                                         \
-        launch(dkdv_grid, 128, dkdv_smem + 64 * (64 + C::ROW_PAD) * sizeof(T), [&] {                                \
-            PICK(attention_dkdvdq, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),          \
-                                         delta.data(), nullptr, dk.data(), dvv.data(), dq_accum.data(), st, de,     \
-                                         id, a);                                                                    \
-        });                                                                                                         \
-        for (size_t i = 0; i < dq.size(); ++i) {                                                                   \
-            const size_t row = i / pd, col = i % pd, bh = row / c.m, r = row % c.m;                                  \
-            dq[i] = Host<T>::from(dq_accum[(bh * rt * 64 + r) * 128 + col]);                                      \
-        }                                                                                                           \
-    } while (0)
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \
         launch(blocks(query_blocks), 128, dq_smem, [&] {                                                          \
             PICK(attention_dq, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),    \
-                                     dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                     \
+                                     dq.data(), dk.data(), dvv.data(), st, de, id, a);                     \
         });                                                                                                         \
         launch(dkdv_grid, 128, dkdv_smem, [&] {                                                                     \
             PICK(attention_dkdv, DD, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(), \
-                                       dq.data(), dk.data(), dvv.data(), nullptr, st, de, id, a);                   \
+                                       dq.data(), dk.data(), dvv.data(), st, de, id, a);                   \
         });                                                                                                         \
     } while (0)
         if constexpr (std::is_same_v<T, __half>) {
-            if (fused) FUSED_BWD(128, f16); else if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
+            if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
         } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-            if (fused) FUSED_BWD(128, bf16); else if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
+            if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
         }
     }
     // The dq pass's delta against rowsum(dO * O) of the rounded output.
@@ -332,7 +313,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool fus
         std::printf("  %-5s %-4s %s worst %.2e at %zu (got %g, want %g)\n", ok ? "ok" : "FAIL", dtype_name<T>(), what,
                     worst, at, got(at), want[at]);
     };
-    std::printf("%s%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), fused ? " (fused dq)" : "", runs ? " (runs)" : "", (long long)c.b,
+    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), runs ? " (runs)" : "", (long long)c.b,
                 (long long)c.h, (long long)c.hk, (long long)c.m, (long long)c.n, (long long)c.d, (long long)c.dv,
                 (long long)(rows ? 0 : D));
     compare("out", [&](size_t i) { return Host<T>::to(out[i]); }, r_out, tol_out);
@@ -369,17 +350,9 @@ int main(int argc, char** argv) {
         failures += run_case<__nv_bfloat16>(c, seed++);
         failures += run_case<__half>(c, seed++);
         failures += run_case<float>(c, seed++);
-        if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {  // the fused kernels' head dim
+        if (c.kind == DOCS && c.m == c.n) {  // the runs instances
             failures += run_case<__nv_bfloat16>(c, seed++, true);
             failures += run_case<__half>(c, seed++, true);
-        }
-        if (c.kind == DOCS && c.m == c.n) {  // the runs instances
-            failures += run_case<__nv_bfloat16>(c, seed++, false, true);
-            failures += run_case<__half>(c, seed++, false, true);
-            if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {
-                failures += run_case<__nv_bfloat16>(c, seed++, true, true);
-                failures += run_case<__half>(c, seed++, true, true);
-            }
         }
     }
     std::printf("%s: %d failing checks\n", failures ? "FAILED" : "all ok", failures);

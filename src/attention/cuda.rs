@@ -61,8 +61,6 @@ struct AttentionArgs {
 mirrored_struct!(AttentionArgs, 216, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
-/// The head tile of the fused backward (`attention_dkdvdq_d128_*`).
-const FUSED_HEAD_TILE: usize = 128;
 const TILE_K: usize = C::TILE_K;
 const TC_THREADS: u32 = (C::WARPS * 32) as u32;
 const ROW_WARPS: usize = C::ROW_WARPS;
@@ -306,12 +304,11 @@ enum Path {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Pass {
     Forward,
-    /// The deterministic backward: dq (and delta), then dk / dv.
+    /// The portable backward: dq (and delta), then dk / dv (no atomics: deterministic).
     Dq,
     Dkdv,
-    /// The fused backward: delta, then dk / dv / dq (dq added into an f32 buffer).
+    /// delta = rowsum(dO * O), the row pass before the Hopper backward.
     Delta,
-    DkdvDq,
 }
 
 impl Path {
@@ -338,7 +335,6 @@ impl Path {
             Pass::Dq => "attention_dq",
             Pass::Dkdv => "attention_dkdv",
             Pass::Delta => "attention_delta",
-            Pass::DkdvDq => "attention_dkdvdq",
         };
         let tile = match (self, pass) {
             (_, Pass::Delta) => String::new(),
@@ -368,7 +364,7 @@ impl Path {
     /// Dynamic shared memory of a pass (mirrors the tile layout and `stages` of the kernels):
     /// 64-row tiles of `head_tile + ROW_PAD` elements; the resident operands (`query_tiles` tiles
     /// of q, and of dO for dq; one of k and v for dk / dv) and one or two stages of the streamed
-    /// ones; the fused pass adds a dSᵀ tile of `TILE_K x (TILE_Q + ROW_PAD)`.
+    /// ones.
     fn shared_bytes(self, pass: Pass, elem: usize) -> usize {
         let Path::TensorCores { head_tile } = self else {
             return 0;
@@ -381,9 +377,6 @@ impl Path {
             Pass::Forward => (query_tiles + 2 * stages) * tile,
             Pass::Dq => (2 * query_tiles + 2 * stages) * tile,
             Pass::Dkdv => (2 + 2 * stages) * tile + 2 * stages * TILE_Q * 4,
-            Pass::DkdvDq => {
-                Path::shared_bytes(self, Pass::Dkdv, elem) + TILE_K * (TILE_Q + C::ROW_PAD) * elem
-            }
             Pass::Delta => 0,
         }
     }
@@ -391,12 +384,9 @@ impl Path {
     fn config(self, p: &Problem, pass: Pass, elem: usize) -> LaunchConfig {
         let shared_mem_bytes = self.shared_bytes(pass, elem) as u32;
         match (self, pass) {
-            (
-                Path::TensorCores { head_tile },
-                Pass::Forward | Pass::Dq | Pass::Dkdv | Pass::DkdvDq,
-            ) => {
+            (Path::TensorCores { head_tile }, Pass::Forward | Pass::Dq | Pass::Dkdv) => {
                 let blocks = match pass {
-                    Pass::Dkdv | Pass::DkdvDq => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
+                    Pass::Dkdv => p.batch * p.kv_heads * p.n.div_ceil(TILE_K),
                     _ => p.batch * p.heads * p.m.div_ceil(TILE_Q).div_ceil(self.query_tiles()),
                 };
                 let slices = if pass == Pass::Dkdv && head_tile > 128 {
@@ -412,7 +402,7 @@ impl Path {
             }
             _ => {
                 let rows = match pass {
-                    Pass::Dkdv | Pass::DkdvDq => p.batch * p.kv_heads * p.n,
+                    Pass::Dkdv => p.batch * p.kv_heads * p.n,
                     _ => p.batch * p.heads * p.m,
                 };
                 LaunchConfig {
@@ -793,31 +783,19 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
         _ => None,
     };
-    // The fused backward at head tile 128 only: at 64 the two passes are faster (BENCHMARKS.md).
-    let fused = !p.deterministic
-        && matches!(
-            path,
-            Path::TensorCores {
-                head_tile: FUSED_HEAD_TILE
-            }
-        );
-    // The fused and Hopper passes add scale * dS K into dq_accum (f32, zeroed, padded to whole
-    // query tiles and the head tile: [b, h, padded_m, accum_cols]); the deterministic dq pass
-    // writes dq itself.
+    // The Hopper pass adds scale * dS K into dq_accum (f32, zeroed, padded to whole query tiles
+    // and the head tile: [b, h, padded_m, head_tile], in its own order), which its dq_rows kernel
+    // turns into dq; the portable dq pass writes dq itself. (The portable backward once had a
+    // fused form adding dq with atomics too: no faster on the H200 and up to 18% slower on the
+    // H100, BENCHMARKS.md, session 33.)
     let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
-    let accum_cols = match hopper {
-        Some((head_tile, _)) => Some(head_tile),
-        None => fused.then_some(FUSED_HEAD_TILE),
-    };
-    // (The Hopper pass's dq_accum is in its own order, which its dq_rows kernel turns into dq.)
-    let dq_accum = match accum_cols {
-        Some(cols) => Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * cols)?),
+    let dq_accum = match &hopper {
+        Some((head_tile, _)) => {
+            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * head_tile)?)
+        }
         None => None,
     };
-    let dq = match (&dq_accum, &hopper) {
-        (Some(_), None) => None,
-        _ => Some(alloc_output::<T>(dev, q.elem_count())?),
-    };
+    let dq = alloc_output::<T>(dev, q.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
@@ -827,33 +805,21 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let held = hold_all(mask);
     let views = mask_views(&held)?;
     let elem = T::DTYPE.size_in_bytes();
-    let null = 0u64;
     // Every backward pass takes one argument list (BACKWARD_PARAMS of the kernels): q, k, v,
-    // grad_out, out, lse, delta, dq, dk, dv, dq_accum, the mask's buffers and the arguments; a
-    // buffer this mode lacks is a null pointer, which no pass of the mode touches.
+    // grad_out, out, lse, delta, dq, dk, dv, the mask's buffers and the arguments.
     let run = |pass: Pass| -> Result<()> {
         let kernel = path.kernel::<T>(dev, pass, mask)?;
         // SAFETY: the arguments match BACKWARD_PARAMS. Reads are as in the forward plus rows
         // below m of grad_out, out and lse (contiguous, rows 16-byte aligned as `operand_ok`
         // checked). dq and delta write rows below m of delta ([b, h, m], before dk / dv read
-        // them on the same stream); dq writes rows below m of dq ([b, h, m, d]); dkdv and
-        // dkdvdq rows below n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]); dkdvdq adds into
-        // all of dq_accum ([b, h, padded_m, 128]); all contiguous.
+        // them on the same stream); dq writes rows below m of dq ([b, h, m, d]); dkdv rows below
+        // n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]); all contiguous.
         unsafe {
             kernel.launch(path.config(p, pass, elem), |a_| {
                 for x in [&qv, &kv, &vv, &gv, &ov] {
                     a_.arg(x);
                 }
-                a_.arg(&lv).arg(&delta);
-                match &dq {
-                    Some(dq) => a_.arg(dq),
-                    None => a_.arg(&null),
-                };
-                a_.arg(&dk).arg(&dv);
-                match &dq_accum {
-                    Some(acc) => a_.arg(acc),
-                    None => a_.arg(&null),
-                };
+                a_.arg(&lv).arg(&delta).arg(&dq).arg(&dk).arg(&dv);
                 views.push(a_);
                 a_.arg(&a);
             })
@@ -889,7 +855,6 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 Module::AttentionSm90,
                 &["attention_dq_rows_sm90", &format!("d{head_tile}")],
             )?;
-            let dq = dq.as_ref().expect("the Hopper backward has dq");
             let threads = p.batch * p.heads * padded_m * head_tile / 4;
             let cfg = LaunchConfig {
                 grid_dim: (threads.div_ceil(256).min(1 << 16) as u32, 1, 1),
@@ -901,16 +866,9 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             // and writes rows below m and columns below d of dq ([b, h, m, d], contiguous).
             unsafe {
                 kernel.launch(cfg, |a_| {
-                    a_.arg(acc).arg(dq).arg(&a);
+                    a_.arg(acc).arg(&dq).arg(&a);
                 })?;
             }
-        }
-    } else if fused {
-        if queries > 0 && keys > 0 {
-            run(Pass::Delta)?;
-        }
-        if keys > 0 {
-            run(Pass::DkdvDq)?;
         }
     } else {
         if queries > 0 {
@@ -929,19 +887,6 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             false,
         )
     };
-    let dq = match (dq, dq_accum) {
-        (Some(dq), _) => wrap(dq, q),
-        // The fused pass (the Hopper one has its dq from dq_rows).
-        (None, Some(acc)) => Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-            (p.batch, p.heads, padded_m, FUSED_HEAD_TILE),
-            BackpropOp::none(),
-            false,
-        )
-        .narrow(2, 0, p.m)?
-        .narrow(3, 0, p.d)?
-        .to_dtype(T::DTYPE)?,
-        (None, None) => bail!("{OP}: internal error, the backward has no dq"),
-    };
+    let dq = wrap(dq, q);
     Ok((dq, wrap(dk, k), wrap(dv, v)))
 }

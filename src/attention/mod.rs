@@ -33,11 +33,11 @@ pub struct AttentionOptions {
     /// mode), so no mode changes the result today; f64 is computed in f64 on the CPU.
     pub f32_mode: Option<crate::F32Matmul>,
     /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). The CPU backward is
-    /// deterministic in every mode. On CUDA, f16 / bf16 with head dims 65 to 128 (the kernels of
-    /// head dim 128) otherwise add each key tile's share of dq with float atomics (one fused
-    /// dk / dv / dq pass: five tile products where the deterministic backward's two passes take
-    /// seven); deterministic, dq gets its own pass that sums each gradient in one block in a
-    /// fixed order, as the other head dims and f32 always do.
+    /// deterministic in every mode, and so are the portable CUDA kernels (dq and dk / dv each
+    /// summed in one block in a fixed order). On compute capability 9.0, f16 / bf16 with head
+    /// dims up to 128 otherwise take the Hopper backward, which adds each key block's share of
+    /// dq with float reductions in a varying order; deterministic, they take the portable
+    /// backward.
     pub deterministic: Option<bool>,
 }
 

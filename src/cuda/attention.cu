@@ -10,10 +10,11 @@
 // 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
 // their products (as FlashAttention does); everything else stays f32.
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
-// The deterministic backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per
-// key tile, over the query tiles of every query head of its group): no atomics, identical bits run
-// to run. The fused backward (D = 128) computes delta in a row kernel, then dk / dv with each key
-// tile's share of dq added into an f32 buffer with atomics: five tile products instead of seven.
+// The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
+// the query tiles of every query head of its group): no atomics, identical bits run to run. (A
+// fused dk / dv / dq pass adding dq with atomics, five tile products instead of seven, measured no
+// faster on the H200 and up to 18% slower on the H100: BENCHMARKS.md, session 33.) The delta row
+// kernel serves the Hopper backward (sm90/attention.cu).
 #include "attention_common.cuh"
 
 using namespace fastops;
@@ -25,9 +26,8 @@ constexpr int ROW_WARPS = AC::ROW_WARPS;
 static_assert(BQ == AC::WARPS * 16 && BK == AC::WARPS * 16, "a warp per 16 rows of a tile");
 static_assert(BK == 64, "a warp's score tile is 16 x 64: 8 accumulator tiles, 4 k-steps of P");
 
-// The backward kernels' operands, in the order of their one argument list. dq_accum (f32
-// [b, h, row_tiles * TILE_Q, D], zeroed by the host) takes the fused pass's dq; a pass leaves
-// alone what it does not write (dq_tc writes delta and dq, dkdv_tc dk, dv and, fused, dq_accum).
+// The backward kernels' operands, in the order of their one argument list; a pass leaves alone
+// what it does not write (dq_tc writes delta and dq, dkdv_tc dk and dv, delta_rows delta).
 template <typename T> struct BackwardOperands {
     const T* q;
     const T* k;
@@ -39,21 +39,10 @@ template <typename T> struct BackwardOperands {
     T* dq;
     T* dk;
     T* dv;
-    float* dq_accum;
     const uint8_t* states;
     const uint8_t* dense;
     const int64_t* ids;
 };
-
-// *p += x, p[1] += y, atomically (one 8-byte reduction from sm_90; p 8-byte aligned).
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
-}
 
 // The natural log-sum-exp of a row as the backward uses it: in log2 units, +inf for a row that
 // sees no key (or lies past m), so that exp2(x - it) is 0.
@@ -99,12 +88,6 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
 template <typename T, int LD>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
     ldmatrix_x4<false>(a, shared_address(tile + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
-}
-
-// The same fragment from a shared tile stored [k][row] (columns r0.., rows k0..).
-template <typename T, int LD>
-__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
-    ldmatrix_x4<true>(a, shared_address(tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LD + r0 + ((lane >> 3) & 1) * 8));
 }
 
 // B fragments of two 8-column tiles (n0 and n0 + 8; b[0..1] and b[2..3]), k from k0, of a shared
@@ -301,8 +284,6 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
 // 16 MF x KEY_CHUNK.
 constexpr int KEY_CHUNK = 32;
 constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
-// Row stride (elements) of the fused dk / dv / dq pass's shared dSᵀ tile of BK keys x BQ queries.
-constexpr int DS_LD = BQ + AC::ROW_PAD;
 
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
@@ -605,11 +586,9 @@ __device__ __forceinline__ void per_column(float (&acc)[NT][4], const float* sta
 }
 
 // dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
-// of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both. FUSED_DQ (PARTS 3): the
-// block also adds scale * dS K, its key tile's share of dq, into ops.dq_accum with float atomics
-// (the order of the additions varies run to run), which leaves dq_tc only delta to compute.
-// MASKS: the MaskFamily of the kernel instance.
-template <typename T, int D, int PARTS, bool FUSED_DQ, int MASKS>
+// of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both. MASKS: the MaskFamily of
+// the kernel instance.
+template <typename T, int D, int PARTS, int MASKS>
 __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
     extern __shared__ uint4 shared_raw[];
@@ -619,7 +598,6 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
     T* sdo = sk + (2 + S) * E;  // S stages
     float* s_lse = reinterpret_cast<float*>(sk + (2 + 2 * S) * E);  // [S][BQ]
     float* s_delta = s_lse + S * BQ;                                // [S][BQ]
-    T* s_ds = reinterpret_cast<T*>(s_delta + S * BQ);               // FUSED_DQ: dSᵀ [BK][DS_LD]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t kv_total = a.batch * a.kv_heads;
     const int64_t block = blockIdx.x;
@@ -719,38 +697,6 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
                 uint32_t ds[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
                 product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, lane);
-                if constexpr (FUSED_DQ) {
-                    // The A fragments' words are dSᵀ pairs: rows (keys) g and g + 8, query columns
-                    // 2t (+ 8 for words 2 and 3) of each 16.
-                    uint32_t* row = reinterpret_cast<uint32_t*>(s_ds + (warp * 16 + g) * DS_LD + c * KEY_CHUNK + 2 * t);
-#pragma unroll
-                    for (int kk = 0; kk < CHUNK_STEPS; ++kk)
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) row[((w & 1) * 8 * DS_LD + kk * 16 + (w >> 1) * 8) / 2] = ds[0][kk][w];
-                }
-            }
-        }
-        if constexpr (FUSED_DQ) {
-            __syncthreads();  // s_ds holds the item's dSᵀ, every warp's 16 keys
-            // This warp's 16 queries of the item: dq += scale * dS K over the tile's 64 keys, in
-            // column blocks of 64 (the accumulator is 16 x 64).
-            uint32_t ds[1][BK / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) load_a_trans<T, DS_LD>(ds[0][kk], s_ds, warp * 16, kk * 16, lane);
-            // dq_accum is padded to whole query tiles and D columns: no bounds to test, and the
-            // addresses are this lane's base plus constants.
-            float* dq_lane = ops.dq_accum + ((b * a.heads + h) * a.row_tiles * BQ + i0 + warp * 16 + g) * D + 2 * t;
-#pragma unroll
-            for (int col0 = 0; col0 < D; col0 += 64) {
-                float acc_dq[1][8][4];
-                zero_fragments(acc_dq);
-                product_pb<T, 64, LD, 1, BK / 16>(acc_dq, ds, sk + col0, 0, lane);
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-                        red_add2(dq_lane + half * 8 * D + col0 + nt * 8, acc_dq[0][nt][2 * half] * a.scale,
-                                 acc_dq[0][nt][2 * half + 1] * a.scale);
             }
         }
     };
@@ -764,9 +710,9 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
 // The one argument list of the backward kernels, and their operands from it.
 #define BACKWARD_PARAMS(T)                                                                                            \
     const T *q, const T *k, const T *v, const T *grad_out, const T *out, const float *lse, float *delta, T *dq, T *dk, \
-        T *dv, float *dq_accum, const uint8_t *states, const uint8_t *dense, const int64_t *ids, AttentionArgs a
+        T *dv, const uint8_t *states, const uint8_t *dense, const int64_t *ids, AttentionArgs a
 #define BACKWARD_OPERANDS(T)                                                                                          \
-    BackwardOperands<T> { q, k, v, grad_out, out, lse, delta, dq, dk, dv, dq_accum, states, dense, ids }
+    BackwardOperands<T> { q, k, v, grad_out, out, lse, delta, dq, dk, dv, states, dense, ids }
 
 // ---- f32: a warp per row, a lane per 8 columns (lane + 32 e), dot products reduced across the warp.
 
@@ -794,7 +740,7 @@ __device__ __forceinline__ float dot(const float (&x)[PER_LANE], const float (&y
     return warp_sum(s);
 }
 
-// delta = rowsum(dO * O) in f32, for the fused backward: a warp per row of the contiguous
+// delta = rowsum(dO * O) in f32, for the Hopper backward: a warp per row of the contiguous
 // [b * h * m, dv] out and grad_out (rows 16-byte aligned), a lane per 8 columns of every 256.
 template <typename T>
 __device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const AttentionArgs& a) {
@@ -950,12 +896,12 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
 
 // Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
 // dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
-// accumulator), attention_dkdvdq_d128_{f16,bf16} (dk / dv with dq added into dq_accum) with
-// attention_delta_{f16,bf16} before it, and attention_{fwd,dq,dkdv}_rows_f32. The tensor-core
+// accumulator), attention_delta_{f16,bf16} (delta alone, before the Hopper backward) and
+// attention_{fwd,dq,dkdv}_rows_f32. The tensor-core
 // kernels read generated (full, causal, window) and stored masks; their attention_*_runs_*
 // instances read documents in contiguous runs (MASK_RUNS). The backward kernels take one argument
-// list, BACKWARD_PARAMS. The deterministic backward runs dq (which writes delta), then dk / dv
-// (which reads it); the fused one delta, then dk / dv / dq.
+// list, BACKWARD_PARAMS. The backward runs dq (which writes delta), then dk / dv (which reads
+// it).
 #define ATTENTION_TC(T, RUST, D, MASKS, INFIX)                                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
         attention_fwd_##INFIX##d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse,                  \
@@ -969,24 +915,18 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
     extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) { \
         if constexpr (D > 128) {                                                                                      \
             if (blockIdx.y == 0)                                                                                      \
-                dkdv_tc<T, D, 1, false, MASKS>(BACKWARD_OPERANDS(T), a);                                              \
+                dkdv_tc<T, D, 1, MASKS>(BACKWARD_OPERANDS(T), a);                                                     \
             else                                                                                                      \
-                dkdv_tc<T, D, 2, false, MASKS>(BACKWARD_OPERANDS(T), a);                                              \
+                dkdv_tc<T, D, 2, MASKS>(BACKWARD_OPERANDS(T), a);                                                     \
         } else {                                                                                                      \
-            dkdv_tc<T, D, 3, false, MASKS>(BACKWARD_OPERANDS(T), a);                                                  \
+            dkdv_tc<T, D, 3, MASKS>(BACKWARD_OPERANDS(T), a);                                                         \
         }                                                                                                             \
-    }
-
-#define ATTENTION_FUSED(T, RUST, D, MASKS, INFIX)                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-        attention_dkdvdq_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) {                                                 \
-        dkdv_tc<T, D, 3, true, MASKS>(BACKWARD_OPERANDS(T), a);                                                       \
     }
 
 #define ATTENTION_TC_MASKS(T, RUST, MASKS, INFIX)                                                                     \
     ATTENTION_TC(T, RUST, 64, MASKS, INFIX)                                                                           \
     ATTENTION_TC(T, RUST, 128, MASKS, INFIX)                                                                          \
-    ATTENTION_TC(T, RUST, 256, MASKS, INFIX) ATTENTION_FUSED(T, RUST, 128, MASKS, INFIX)
+    ATTENTION_TC(T, RUST, 256, MASKS, INFIX)
 
 #define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
     ATTENTION_TC_MASKS(T, RUST, FORMULA_OR_STORED, )                                                                  \
