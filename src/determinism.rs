@@ -25,10 +25,11 @@ static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
 /// - the CUDA step of [`crate::optim::SmallFcLOpt`], which otherwise sums its per-tensor
 ///   statistics (Adafactor row / column sums, feature norms) with float atomics. Deterministic,
 ///   each sum is taken in index order ([`crate::optim::LOptBackend::deterministic`]).
-/// - the CUDA backward of [`crate::masked_attention`] in f16 / bf16 at head dims 65 to 128,
-///   which otherwise adds dq with float atomics in its dk / dv pass. Deterministic, dq gets a
-///   pass of its own ([`crate::AttentionOptions::deterministic`]). Its forward, and every other
-///   head dim and dtype, are deterministic either way.
+/// - the CUDA backward of [`crate::masked_attention`] in f16 / bf16 at head dims up to 128 on
+///   compute capability 9.0, where the Hopper backward otherwise adds dq with float reductions
+///   in a varying order. Deterministic, it runs the portable backward, whose dq has a pass of
+///   its own ([`crate::AttentionOptions::deterministic`]). Its forward, and the backward on
+///   other GPUs, head dims and dtypes, are deterministic either way.
 ///
 /// ```
 /// candle_fastops::set_deterministic(true);
