@@ -785,9 +785,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     // The Hopper pass adds scale * dS K into dq_accum (f32, zeroed, padded to whole query tiles
     // and the head tile: [b, h, padded_m, head_tile], in its own order), which its dq_rows kernel
-    // turns into dq; the portable dq pass writes dq itself. (The portable backward once had a
-    // fused form adding dq with atomics too: no faster on the H200 and up to 18% slower on the
-    // H100, BENCHMARKS.md, session 33.)
+    // turns into dq; the portable dq pass writes dq itself (no atomics).
     let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
     let dq_accum = match &hopper {
         Some((head_tile, _)) => {

@@ -11,10 +11,8 @@
 // their products (as FlashAttention does); everything else stays f32.
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
 // The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
-// the query tiles of every query head of its group): no atomics, identical bits run to run. (A
-// fused dk / dv / dq pass adding dq with atomics, five tile products instead of seven, measured no
-// faster on the H200 and up to 18% slower on the H100: BENCHMARKS.md, session 33.) The delta row
-// kernel serves the Hopper backward (sm90/attention.cu).
+// the query tiles of every query head of its group): no atomics, identical bits run to run. The
+// delta row kernel serves the Hopper backward (sm90/attention.cu).
 #include "attention_common.cuh"
 
 using namespace fastops;
