@@ -26,10 +26,11 @@ static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
 ///   statistics (Adafactor row / column sums, feature norms) with float atomics. Deterministic,
 ///   each sum is taken in index order ([`crate::optim::LOptBackend::deterministic`]).
 /// - the CUDA backward of [`crate::masked_attention`] in f16 / bf16 at head dims up to 128 on
-///   compute capability 9.0, where the Hopper backward otherwise adds dq with float reductions
-///   in a varying order. Deterministic, it runs the portable backward, whose dq has a pass of
-///   its own ([`crate::AttentionOptions::deterministic`]). Its forward, and the backward on
-///   other GPUs, head dims and dtypes, are deterministic either way.
+///   compute capability 9.0 (the Hopper backward), and at head dims over 64 on GPUs where the
+///   portable one-pass backward fits, which otherwise add dq with float reductions in a varying
+///   order. Deterministic, they run the two-pass backward, whose dq has a pass of its own
+///   ([`crate::AttentionOptions::deterministic`]). Its forward, and the backward on other GPUs,
+///   head dims and dtypes, are deterministic either way.
 ///
 /// ```
 /// candle_fastops::set_deterministic(true);

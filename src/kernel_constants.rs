@@ -130,6 +130,10 @@ pub mod attention {
     pub const ROW_PAD: usize = 8;
     /// Warps per block of the f32 kernels (a warp per query or key row).
     pub const ROW_WARPS: usize = 8;
+    /// The one-pass tensor-core backward (head tile 128): keys per block and warps per block
+    /// (each warp 32 queries x 32 keys of S and dP, 32 keys x 64 head columns of dK / dV).
+    pub const ONE_PASS_KEYS: usize = 128;
+    pub const ONE_PASS_WARPS: usize = 8;
     /// The Hopper forward's block: a producer warpgroup and this many consumer warpgroups (128
     /// threads, a mask tile of 64 queries each), which share the block's K / V tiles.
     pub const HOPPER_CONSUMERS: usize = 2;

@@ -85,7 +85,8 @@ template <typename T> static const char* dtype_name() {
 
 // runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
 // the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
-template <typename T> static int run_case(const Case& c, uint64_t seed, bool runs = false) {
+// one_pass: the one-pass backward (D = 128): delta, then attention_bwd_d128_* (dq through its f32 buffer).
+template <typename T> static int run_case(const Case& c, uint64_t seed, bool runs = false, bool one_pass = false) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
     const int64_t pd = (c.d + 7) / 8 * 8, pdv = (c.dv + 7) / 8 * 8;  // the host pads to 8
@@ -221,6 +222,24 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         const size_t dq_smem = (2 * qtiles + 2 * dq_stages) * tile,
                      dkdv_smem = (2 + 2 * dkdv_stages) * tile + 2 * dkdv_stages * 64 * 4;
         const Dim3 dkdv_grid{static_cast<uint32_t>(c.b * c.hk * ct), D > 128 ? 2u : 1u, 1};
+        std::vector<float> dq_accum(static_cast<size_t>(c.b * c.h * rt * 64 * 128), 0.f);
+#define ONE_PASS(S)                                                                                                    \
+    do {                                                                                                            \
+        launch(blocks((c.b * c.h * c.m + C::ROW_WARPS - 1) / C::ROW_WARPS), C::ROW_WARPS * 32, 0, [&] {           \
+            attention_delta_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),       \
+                                nullptr, dk.data(), dvv.data(), st, de, id, a);                                     \
+        });                                                                                                         \
+        const size_t smem1 = (2 * 128 + 6 * 64) * (128 + C::ROW_PAD) * sizeof(T) + 4 * 64 * 4;       \
+        launch(blocks(c.b * c.hk * ((c.n + 127) / 128)), 256, smem1, [&] {                                          \
+            attention_bwd_d128_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
+                                         delta.data(), nullptr, dk.data(), dvv.data(), st, de, id, a,              \
+                                         dq_accum.data());                                                         \
+        });                                                                                                         \
+        for (size_t i = 0; i < dq.size(); ++i) {                                                                   \
+            const size_t row = i / pd, col = i % pd, bh = row / c.m, r = row % c.m;                                  \
+            dq[i] = Host<T>::from(dq_accum[(bh * rt * 64 + r) * 128 + col]);                                      \
+        }                                                                                                           \
+    } while (0)
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \
         launch(blocks(query_blocks), 128, dq_smem, [&] {                                                          \
@@ -233,9 +252,9 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         });                                                                                                         \
     } while (0)
         if constexpr (std::is_same_v<T, __half>) {
-            if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
+            if (one_pass) ONE_PASS(f16); else if (D == 64) BWD(64, f16); else if (D == 128) BWD(128, f16); else BWD(256, f16);
         } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-            if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
+            if (one_pass) ONE_PASS(bf16); else if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
         }
     }
     // The dq pass's delta against rowsum(dO * O) of the rounded output.
@@ -313,7 +332,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         std::printf("  %-5s %-4s %s worst %.2e at %zu (got %g, want %g)\n", ok ? "ok" : "FAIL", dtype_name<T>(), what,
                     worst, at, got(at), want[at]);
     };
-    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), runs ? " (runs)" : "", (long long)c.b,
+    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), runs ? " (runs)" : (one_pass ? " (one pass)" : ""), (long long)c.b,
                 (long long)c.h, (long long)c.hk, (long long)c.m, (long long)c.n, (long long)c.d, (long long)c.dv,
                 (long long)(rows ? 0 : D));
     compare("out", [&](size_t i) { return Host<T>::to(out[i]); }, r_out, tol_out);
@@ -327,6 +346,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
 int main(int argc, char** argv) {
     std::setvbuf(stdout, nullptr, _IONBF, 0);
     const bool quick = argc > 1 && std::string(argv[1]) == "quick";
+    const bool only_one_pass = argc > 1 && std::string(argv[1]) == "one_pass";
     std::vector<Case> cases = {
         {"causal", 2, 2, 1, 130, 130, 64, 64, CAUSAL},
         {"full, m < n, d != dv", 1, 2, 2, 70, 150, 72, 40, FULL},
@@ -347,12 +367,18 @@ int main(int argc, char** argv) {
     uint64_t seed = 1;
     for (const auto& c : cases) {
         if (quick && c.d > 128) continue;
+        if (!only_one_pass) {
         failures += run_case<__nv_bfloat16>(c, seed++);
         failures += run_case<__half>(c, seed++);
         failures += run_case<float>(c, seed++);
         if (c.kind == DOCS && c.m == c.n) {  // the runs instances
             failures += run_case<__nv_bfloat16>(c, seed++, true);
             failures += run_case<__half>(c, seed++, true);
+        }
+        }
+        if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {  // the one-pass backward
+            failures += run_case<__nv_bfloat16>(c, seed++, false, true);
+            failures += run_case<__half>(c, seed++, false, true);
         }
     }
     std::printf("%s: %d failing checks\n", failures ? "FAILED" : "all ok", failures);

@@ -192,6 +192,44 @@ fn runs_chosen() -> bool {
     *CHOSEN.get_or_init(|| std::env::var("CANDLE_FASTOPS_ATTENTION_RUNS").as_deref() != Ok("0"))
 }
 
+/// The one-pass backward's head tile, keys and threads per block (`bwd_tc` in
+/// `src/cuda/attention.cu`).
+const ONE_PASS_HEAD_TILE: usize = 128;
+const ONE_PASS_KEYS: usize = C::ONE_PASS_KEYS;
+const ONE_PASS_THREADS: u32 = (C::ONE_PASS_WARPS * 32) as u32;
+
+/// The one-pass backward's dynamic shared memory: K and V (ONE_PASS_KEYS rows each), two stages
+/// of Q and dO and one of P and dS (TILE_Q rows each), rows of 128 + ROW_PAD elements; then two
+/// stages of the tile's lse and delta (f32).
+fn one_pass_shared_bytes(elem: usize) -> usize {
+    (2 * ONE_PASS_KEYS + 6 * TILE_Q) * (ONE_PASS_HEAD_TILE + C::ROW_PAD) * elem + 4 * TILE_Q * 4
+}
+
+/// Whether the backward runs as one pass (`bwd_tc`: S and dP once per tile pair, dq summed with
+/// float atomics) rather than as the dq and dk / dv passes: f16 / bf16 at head tile 128, not
+/// deterministic, with the shared memory it needs (compute capability 9.0 and up), and a mask
+/// other than documents in runs, where the two passes measured faster (BENCHMARKS.md,
+/// masked_attention, session 34). `CANDLE_FASTOPS_ATTENTION_ONE_PASS=0` turns it off, for
+/// comparisons (read once per process).
+fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path, mask: &DeviceMask) -> Result<bool> {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let allowed = *ALLOWED
+        .get_or_init(|| std::env::var("CANDLE_FASTOPS_ATTENTION_ONE_PASS").as_deref() != Ok("0"));
+    if !allowed
+        || p.deterministic
+        || !matches!(
+            path,
+            Path::TensorCores {
+                head_tile: ONE_PASS_HEAD_TILE
+            }
+        )
+        || mask.args.kind == C::MASK_RUNS
+    {
+        return Ok(false);
+    }
+    Ok(crate::cuda::max_shared_per_block(dev)? >= one_pass_shared_bytes(2))
+}
+
 /// A tensor's storage, held (read-locked) for a launch.
 struct Held<'a> {
     guard: Box<dyn Deref<Target = Storage> + 'a>,
@@ -793,11 +831,14 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
         None => None,
     };
-    let dq = alloc_output::<T>(dev, q.elem_count())?;
+    // The one-pass backward writes dq through an f32 buffer of its own (below): its dq argument
+    // is unused, so it gets one element rather than a second copy of dq.
+    let mask = &mask.for_path(path);
+    let one_pass = hopper.is_none() && one_pass_backward(dev, p, path, mask)?;
+    let dq = alloc_output::<T>(dev, if one_pass { 1 } else { q.elem_count() })?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
-    let mask = &mask.for_path(path);
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
@@ -867,6 +908,61 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                     a_.arg(acc).arg(&dq).arg(&a);
                 })?;
             }
+        }
+    } else if one_pass {
+        // delta, then the one-pass backward (dq summed into an f32 buffer), then dq from it.
+        if queries > 0 && keys > 0 {
+            run(Pass::Delta)?;
+            // scale * dS K, summed over the key blocks: f32 [b, h, padded_m, 128], zeroed.
+            let acc = dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * ONE_PASS_HEAD_TILE)?;
+            let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_bwd_d128"])?;
+            let shared = one_pass_shared_bytes(elem);
+            kernel.allow_dynamic_shared(shared)?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    (p.batch * p.kv_heads * p.n.div_ceil(ONE_PASS_KEYS)) as u32,
+                    1,
+                    1,
+                ),
+                block_dim: (ONE_PASS_THREADS, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            // SAFETY: the arguments match `attention_bwd_d128_*(BACKWARD_PARAMS, dq_accum)`;
+            // the operands are those of the two-pass kernels above (dq unused), and the kernel
+            // adds into acc only below row padded_m and column 128 of each (batch, head).
+            unsafe {
+                kernel.launch(cfg, |args| {
+                    for x in [&qv, &kv, &vv, &gv, &ov] {
+                        args.arg(x);
+                    }
+                    args.arg(&lv).arg(&delta).arg(&dq).arg(&dk).arg(&dv);
+                    views.push(args);
+                    args.arg(&a).arg(&acc);
+                })?;
+            }
+            drop((dk_guard, dv_guard)); // every launch is queued
+            let wrap = |s: CudaSlice<T>, like: &Tensor| {
+                Tensor::from_storage(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+                    like.dims(),
+                    BackpropOp::none(),
+                    false,
+                )
+            };
+            let dq = Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
+                (p.batch, p.heads, padded_m, ONE_PASS_HEAD_TILE),
+                BackpropOp::none(),
+                false,
+            )
+            .narrow(2, 0, p.m)?
+            .narrow(3, 0, p.d)?
+            .to_dtype(T::DTYPE)?;
+            return Ok((dq, wrap(dk, k), wrap(dv, v)));
+        }
+        if keys > 0 {
+            run(Pass::Dq)?;
+            run(Pass::Dkdv)?;
         }
     } else {
         if queries > 0 {

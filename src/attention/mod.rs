@@ -33,11 +33,12 @@ pub struct AttentionOptions {
     /// mode), so no mode changes the result today; f64 is computed in f64 on the CPU.
     pub f32_mode: Option<crate::F32Matmul>,
     /// Bit-reproducible gradients (`None`: [`crate::deterministic`]). The CPU backward is
-    /// deterministic in every mode, and so are the portable CUDA kernels (dq and dk / dv each
-    /// summed in one block in a fixed order). On compute capability 9.0, f16 / bf16 with head
-    /// dims up to 128 otherwise take the Hopper backward, which adds each key block's share of
-    /// dq with float reductions in a varying order; deterministic, they take the portable
-    /// backward.
+    /// deterministic in every mode, and so is the portable CUDA backward's two-pass form (dq and
+    /// dk / dv each summed in one block in a fixed order). Otherwise f16 / bf16 with head dims
+    /// up to 128 take the Hopper backward on compute capability 9.0, and head dims over 64 (up
+    /// to 128) the portable one-pass backward where it fits (GPUs with 227 KiB of shared memory
+    /// a block); both add each key block's share of dq with float reductions in a varying order.
+    /// Deterministic, they take the two-pass backward.
     pub deterministic: Option<bool>,
 }
 

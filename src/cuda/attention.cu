@@ -11,8 +11,9 @@
 // their products (as FlashAttention does); everything else stays f32.
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
 // The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
-// the query tiles of every query head of its group): no atomics, identical bits run to run. The
-// delta row kernel serves the Hopper backward (sm90/attention.cu).
+// the query tiles of every query head of its group): no atomics, identical bits run to run; or,
+// at head tile 128 where the host picks it, one kernel (bwd_tc) that adds dq with float atomics.
+// The delta row kernel serves the Hopper backward (sm90/attention.cu) and the one-pass one.
 #include "attention_common.cuh"
 
 using namespace fastops;
@@ -58,10 +59,10 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
 // into a ROWS x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
 // A thread copies one 16-byte column chunk of every (THREADS / (D / 8))-th row, so that its
 // addresses advance by constants: one bounds test per copy, none in a whole tile.
-template <typename T, int D, int ROWS = 64>
+template <typename T, int D, int ROWS = 64, int NTHREADS = THREADS>
 __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int64_t rows, int64_t cols) {
-    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = THREADS / CHUNKS, PASSES = ROWS / ROW_STEP;
-    static_assert(THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
+    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS, PASSES = ROWS / ROW_STEP;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
     // Rows this thread copies: r0 + ROW_STEP * pass for pass < live (0 past the operand's columns).
     const int64_t live_rows = col < cols ? min(rows, static_cast<int64_t>(ROWS)) - r0 : 0;
@@ -86,6 +87,12 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
 template <typename T, int LD>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
     ldmatrix_x4<false>(a, shared_address(tile + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
+}
+
+// The same fragment from a shared tile stored [k][row] (columns r0.., rows k0..).
+template <typename T, int LD>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+    ldmatrix_x4<true>(a, shared_address(tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LD + r0 + ((lane >> 3) & 1) * 8));
 }
 
 // B fragments of two 8-column tiles (n0 and n0 + 8; b[0..1] and b[2..3]), k from k0, of a shared
@@ -705,6 +712,258 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
     if constexpr ((PARTS & 1) != 0) store_rows<T, D>(ops.dv + bhk * a.n * a.dv, acc_dv[0], row0, a.n, a.dv, 1.f, 1.f, lane);
 }
 
+
+// ---- The one-pass backward (head tile 128; the host picks it, see one_pass_backward in
+// src/attention/cuda.rs). A block of ONE_PASS_WARPS warps owns ONE_PASS_KEYS keys and walks the
+// query tiles of every query head of its group, Q / dO in two stages: S and dP once per 64
+// queries (a warp 32 queries x 32 keys), P and dS through shared memory, dK / dV accumulated per
+// warp over 32 keys x 64 head columns, and scale * dS K (a warp 32 queries x 32 head columns)
+// added into dq_accum (f32 [b, h, row_tiles * 64, 128], zeroed) with float atomics: dq's bits
+// depend on the order of the additions.
+constexpr int BWD_THREADS = AC::ONE_PASS_WARPS * 32, BWD_KEYS = AC::ONE_PASS_KEYS;
+static_assert(BWD_THREADS == 256 && BWD_KEYS == 128, "the warp roles of bwd_tc: 2 x 4 over S, 4 x 2 over dK / dV");
+
+// acc (16 MF x 8 NT) += Aᵀ B over K: A stored [k][row] (rows r0..), B stored [k][n] (columns n0..).
+template <typename T, int K, int LDA, int LDB, int MF, int NT>
+__device__ __forceinline__ void product_atb(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
+                                            int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t x[MF][4];
+#pragma unroll
+        for (int f = 0; f < MF; ++f) load_a_trans<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t y[4];
+            load_b_trans<T, LDB>(y, b_tile, kk * 16, n0 + np * 16, lane);
+#pragma unroll
+            for (int f = 0; f < MF; ++f) {
+                mma_m16n8k16<T>(acc[f][2 * np], x[f], y[0], y[1]);
+                mma_m16n8k16<T>(acc[f][2 * np + 1], x[f], y[2], y[3]);
+            }
+        }
+    }
+}
+
+// acc (16 MF x 8 NT) += A B over K: A stored [row][k] (rows r0..), B stored [k][n] (columns n0..).
+template <typename T, int K, int LDA, int LDB, int MF, int NT>
+__device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
+                                           int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t x[MF][4];
+#pragma unroll
+        for (int f = 0; f < MF; ++f) load_a<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t y[4];
+            load_b_trans<T, LDB>(y, b_tile, kk * 16, n0 + np * 16, lane);
+#pragma unroll
+            for (int f = 0; f < MF; ++f) {
+                mma_m16n8k16<T>(acc[f][2 * np], x[f], y[0], y[1]);
+                mma_m16n8k16<T>(acc[f][2 * np + 1], x[f], y[2], y[3]);
+            }
+        }
+    }
+}
+
+// *p += x, p[1] += y, atomically (one 8-byte reduction from sm_90; p 8-byte aligned).
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+template <typename T, int MASKS>
+__device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq_accum, const AttentionArgs& a) {
+    constexpr int D = 128, LD = D + AC::ROW_PAD, KB = BWD_KEYS, PLD = KB + AC::ROW_PAD;
+    constexpr int KE = KB * LD, QE = BQ * LD;
+    extern __shared__ uint4 shared_raw[];
+    T* sk = reinterpret_cast<T*>(shared_raw);
+    T* sv = sk + KE;
+    T* sq = sv + KE;          // 2 stages
+    T* sdo = sq + 2 * QE;     // 2 stages
+    T* sp = sdo + 2 * QE;     // P [BQ][PLD]
+    T* sds = sp + BQ * PLD;   // dS [BQ][PLD]
+    float* s_lse = reinterpret_cast<float*>(sds + BQ * PLD);  // [2][BQ]
+    float* s_delta = s_lse + 2 * BQ;                          // [2][BQ]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t kv_total = a.batch * a.kv_heads;
+    const int64_t block = blockIdx.x;
+    const int64_t kb = block / kv_total;
+    const int64_t bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
+    const KernelMask<MASKS> mask{{a, ops.states, ops.dense, ops.ids, b}};
+    const int64_t j0 = kb * KB, keys = min(static_cast<int64_t>(KB), a.n - j0);
+    load_tile<T, D, KB, BWD_THREADS>(sk, ops.k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2],
+                                      a.k_strides[2], keys, a.d);
+    load_tile<T, D, KB, BWD_THREADS>(sv, ops.v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2],
+                                      a.v_strides[2], keys, a.dv);
+    // Warp roles: S / dP and dQ rows (queries), S / dP keys, dK / dV keys and head columns, dQ
+    // head columns; the mask tile of this warp's 32 keys of S.
+    const int q_row = 32 * (warp / 4), s_key = 32 * (warp % 4);
+    const int kv_row = 32 * (warp / 2), kv_col = 64 * (warp % 2), dq_col = 32 * (warp % 4);
+    const int64_t warp_kt = 2 * kb + (warp % 4) / 2;
+
+    float acc_dk[2][8][4], acc_dv[2][8][4];
+    zero_fragments(acc_dk);
+    zero_fragments(acc_dv);
+
+    // Items: (query head - h0) << 32 | query tile, so that no step divides.
+    const int64_t end = group << 32;
+    int64_t qt_first, qt_last;
+    mask.query_tiles_of(j0, j0 + KB - 1, qt_first, qt_last);
+    auto next = [&](int64_t item) -> int64_t {
+        int64_t head = item < 0 ? 0 : item >> 32, qt = item < 0 ? 0 : (item & 0xffffffffll) + 1;
+        if (mask.generated()) {
+            if (qt_first > qt_last) return end;
+            qt = max(qt, qt_first);
+            if (qt > qt_last) {
+                ++head;
+                qt = qt_first;
+            }
+            return head < group ? head << 32 | qt : end;
+        }
+        for (; head < group; ++head, qt = 0) {
+            const int64_t h = h0 + head;
+            const int64_t found = next_live(qt - 1, a.row_tiles, [&](int64_t c) {
+                bool any = mask.tile_state(h, c, 2 * kb) != TILE_EMPTY;
+                if (2 * kb + 1 < a.col_tiles) any |= mask.tile_state(h, c, 2 * kb + 1) != TILE_EMPTY;
+                return any;
+            });
+            if (found < a.row_tiles) return head << 32 | found;
+        }
+        return end;
+    };
+    auto load = [&](int64_t item, int stage) {
+        const int64_t h = h0 + (item >> 32), i0 = (item & 0xffffffffll) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
+        const int64_t bh = b * a.heads + h;
+        load_tile<T, D, 64, BWD_THREADS>(sq + stage * QE, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
+                                          a.q_strides[2], rows, a.d);
+        load_tile<T, D, 64, BWD_THREADS>(sdo + stage * QE, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+        for (int r = threadIdx.x; r < BQ; r += BWD_THREADS) {
+            s_lse[stage * BQ + r] = lse_log2(ops.lse, bh * a.m + i0 + r, r < rows);
+            s_delta[stage * BQ + r] = r < rows ? ops.delta[bh * a.m + i0 + r] : 0.f;
+        }
+    };
+    auto work = [&](int64_t item, int stage) {
+        const T* sq_ = sq + stage * QE;
+        const T* sdo_ = sdo + stage * QE;
+        const float* s_lse_ = s_lse + stage * BQ;
+        const float* s_delta_ = s_delta + stage * BQ;
+        const int64_t h = h0 + (item >> 32), qt = item & 0xffffffffll, i0 = qt * BQ;
+        const uint8_t state = warp_kt < a.col_tiles ? mask.tile_state(h, qt, warp_kt) : TILE_EMPTY;
+        // S and dP (32 queries x 32 keys a warp), then P and dS into shared memory.
+        float s[2][4][4], dp[2][4][4];
+        if (state != TILE_EMPTY) {
+            product_abt<T, D, LD, 2, 4>(s, sq_, q_row, sk, s_key, lane);
+            product_abt<T, D, LD, 2, 4>(dp, sdo_, q_row, sv, s_key, lane);
+            // P = exp2(S scale_log2 - lse), then zero where a partial tile's mask hides the key
+            // (a separate, warp-uniform branch), then dS = P (dP - delta).
+#pragma unroll
+            for (int f = 0; f < 2; ++f)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float lse2 = s_lse_[q_row + 16 * f + g + 8 * half];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            s[f][nt][2 * half + e] = exp2f(fmaf(s[f][nt][2 * half + e], a.scale_log2, -lse2));
+                }
+            if (state != TILE_FULL) {
+                if (mask.generated()) {
+#pragma unroll
+                    for (int f = 0; f < 2; ++f)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            int lo, hi;
+                            mask.key_run(i0 + q_row + 16 * f + g + 8 * half, j0 + s_key, 32, lo, hi);
+#pragma unroll
+                            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int col = nt * 8 + 2 * t + e;
+                                    if (col < lo || col > hi) s[f][nt][2 * half + e] = 0.f;
+                                }
+                        }
+                } else {
+                    uint32_t keep = 0;
+                    for_each_entry<2, 4>([&](int f, int nt, int r) {
+                        if (mask.keeps(h, i0 + q_row + 16 * f + g + (r >> 1) * 8, j0 + s_key + nt * 8 + 2 * t + (r & 1)))
+                            keep |= 1u << (f * 16 + nt * 4 + r);
+                    });
+                    for_each_entry<2, 4>([&](int f, int nt, int r) {
+                        if (!(keep >> (f * 16 + nt * 4 + r) & 1u)) s[f][nt][r] = 0.f;
+                    });
+                }
+            }
+#pragma unroll
+            for (int f = 0; f < 2; ++f)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float delta = s_delta_[q_row + 16 * f + g + 8 * half];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            dp[f][nt][2 * half + e] = s[f][nt][2 * half + e] * (dp[f][nt][2 * half + e] - delta);
+                }
+        } else {
+            zero_fragments(s);
+            zero_fragments(dp);
+        }
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int at = (q_row + 16 * f + g + 8 * half) * PLD + s_key + nt * 8 + 2 * t;
+                    *reinterpret_cast<uint32_t*>(sp + at) = pack2<T>(s[f][nt][2 * half], s[f][nt][2 * half + 1]);
+                    *reinterpret_cast<uint32_t*>(sds + at) = pack2<T>(dp[f][nt][2 * half], dp[f][nt][2 * half + 1]);
+                }
+        __syncthreads();
+        // dV += Pᵀ dO and dK += dSᵀ Q (32 keys x 64 head columns a warp).
+        product_atb<T, BQ, PLD, LD, 2, 8>(acc_dv, sp, kv_row, sdo_, kv_col, lane);
+        product_atb<T, BQ, PLD, LD, 2, 8>(acc_dk, sds, kv_row, sq_, kv_col, lane);
+        // dQ += scale * dS K over the block's 128 keys (32 queries x 32 head columns a warp).
+        float acc_dq[2][4][4];
+        zero_fragments(acc_dq);
+        product_ab<T, KB, PLD, LD, 2, 4>(acc_dq, sds, q_row, sk, dq_col, lane);
+        float* dq_rows = dq_accum + ((b * a.heads + h) * a.row_tiles * BQ + i0 + q_row + g) * D + dq_col + 2 * t;
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                    red_add2(dq_rows + (16 * f + 8 * half) * D + nt * 8, acc_dq[f][nt][2 * half] * a.scale,
+                             acc_dq[f][nt][2 * half + 1] * a.scale);
+    };
+    pipeline<2>(next(-1), end, next, load, work);
+#pragma unroll
+    for (int f = 0; f < 2; ++f)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int64_t key = j0 + kv_row + 16 * f + g + 8 * half;
+            if (key >= a.n) continue;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const int col = kv_col + nt * 8 + 2 * t;
+                if (col < a.d)
+                    from_float2<T>(ops.dk + (bhk * a.n + key) * a.d + col, acc_dk[f][nt][2 * half] * a.scale,
+                                   acc_dk[f][nt][2 * half + 1] * a.scale);
+                if (col < a.dv)
+                    from_float2<T>(ops.dv + (bhk * a.n + key) * a.dv + col, acc_dv[f][nt][2 * half],
+                                   acc_dv[f][nt][2 * half + 1]);
+            }
+        }
+}
+
 // The one argument list of the backward kernels, and their operands from it.
 #define BACKWARD_PARAMS(T)                                                                                            \
     const T *q, const T *k, const T *v, const T *grad_out, const T *out, const float *lse, float *delta, T *dq, T *dk, \
@@ -929,6 +1188,10 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
 #define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
     ATTENTION_TC_MASKS(T, RUST, FORMULA_OR_STORED, )                                                                  \
     ATTENTION_TC_MASKS(T, RUST, RUNS, runs_)                                                                          \
+    extern "C" __global__ void __launch_bounds__(BWD_THREADS) attention_bwd_d128_##RUST(BACKWARD_PARAMS(T),            \
+                                                                                        float* dq_accum) {             \
+        bwd_tc<T, FORMULA_OR_STORED>(BACKWARD_OPERANDS(T), dq_accum, a);                                              \
+    }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \
         delta_rows<T>(BACKWARD_OPERANDS(T), a);                                                                       \
     }

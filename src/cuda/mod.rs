@@ -248,6 +248,12 @@ pub(crate) fn l2_bytes(dev: &CudaDevice) -> Result<usize> {
     Ok(device_attribute(dev, L2)?.max(0) as usize)
 }
 
+/// The most dynamic shared memory one block may opt into on the device, in bytes.
+pub(crate) fn max_shared_per_block(dev: &CudaDevice) -> Result<usize> {
+    use driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+    Ok(device_attribute(dev, OPTIN)?.max(0) as usize)
+}
+
 /// Whether the device is compute capability 9.0 (H100, H200), the one GPU the `compute_90a` PTX
 /// of [`Module::AttentionSm90`] and [`Module::ArgminSm90`] loads on.
 pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {

@@ -690,8 +690,8 @@ fn gradients_match_composed_attention() -> Result<()> {
                 (d, dv),
                 0.4,
             ),
-            // Documents at the head tiles of 128 and 256 (on CUDA the runs kernels' fused and
-            // two-pass backwards).
+            // Documents at the head tiles of 128 and 256 (on CUDA the runs kernels' two-pass
+            // backward).
             (
                 "documents, d 96",
                 Spec::Documents(docs.clone(), true),
@@ -708,11 +708,29 @@ fn gradients_match_composed_attention() -> Result<()> {
             ),
             ("full", Spec::Full, m, (d, dv), 0.4),
             ("causal, d 96", Spec::Causal, m, (96, 128), 0.4),
+            // Head tile 128, f16 / bf16, not deterministic: on CUDA (compute capability 9.0) the
+            // one-pass backward, with a formula, stored documents and a dense mask (per head).
+            ("window, d 128", Spec::Window(40), m, (128, 96), 0.4),
+            ("full, d 104", Spec::Full, m, (104, 112), 0.4),
+            (
+                "documents recurring, d 96",
+                Spec::Documents(recurring_documents(b, 133, 21), true),
+                n,
+                (96, 128),
+                0.4,
+            ),
+            (
+                "dense per head, d 96",
+                Spec::Dense(random_bytes(b * h * m * n, 0.3, 11), [b, h, m, n], 4),
+                m,
+                (96, 72),
+                0.4,
+            ),
             ("causal, scale -0.3", Spec::Causal, m, (d, dv), -0.3),
             ("window, scale 0", Spec::Window(40), m, (d, dv), 0.0),
         ];
-        // Both backwards: on CUDA (f16 / bf16) the fused one adds dq with atomics, the
-        // deterministic one has a dq pass of its own.
+        // Both modes: on CUDA (f16 / bf16) the default backward adds dq with atomics (Hopper's,
+        // or the one-pass one at head tile 128), the deterministic one has a dq pass of its own.
         for (name, spec, m, (d, dv), scale) in cases {
             for deterministic in [false, true] {
                 for dtype in attention_dtypes(dev) {
