@@ -235,10 +235,9 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
                                          delta.data(), nullptr, dk.data(), dvv.data(), st, de, id, a,              \
                                          dq_accum.data());                                                         \
         });                                                                                                         \
-        for (size_t i = 0; i < dq.size(); ++i) {                                                                   \
-            const size_t row = i / pd, col = i % pd, bh = row / c.m, r = row % c.m;                                  \
-            dq[i] = Host<T>::from(dq_accum[(bh * rt * 64 + r) * 128 + col]);                                      \
-        }                                                                                                           \
+        launch(blocks((dq_accum.size() / 4 + 255) / 256), 256, 0, [&] {                                            \
+            attention_dq_rows_d128_##S(reinterpret_cast<const float4*>(dq_accum.data()), dq.data(), a);              \
+        });                                                                                                         \
     } while (0)
 #define BWD(DD, S)                                                                                                 \
     do {                                                                                                            \

@@ -24,6 +24,8 @@
 
 struct uint4 { uint32_t x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 struct alignas(8) int2 { int x, y; };
 inline int2 make_int2(int x, int y) { return int2{x, y}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }

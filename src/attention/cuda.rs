@@ -831,11 +831,9 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
         None => None,
     };
-    // The one-pass backward writes dq through an f32 buffer of its own (below): its dq argument
-    // is unused, so it gets one element rather than a second copy of dq.
     let mask = &mask.for_path(path);
     let one_pass = hopper.is_none() && one_pass_backward(dev, p, path, mask)?;
-    let dq = alloc_output::<T>(dev, if one_pass { 1 } else { q.elem_count() })?;
+    let dq = alloc_output::<T>(dev, q.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
@@ -864,6 +862,36 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             })
         }
     };
+    // dq = scale * dq_accum, from the fragment order the atomic backwards add in (dq_fragment in
+    // attention_common.cuh), by the module's attention_dq_rows kernel `name`.
+    let dq_from_accum = |module: Module, name: &str, acc: &CudaSlice<f32>, head_tile: usize| {
+        let kernel = Kernel::load_typed::<T>(dev, module, &[name])?;
+        let threads = p.batch * p.heads * padded_m * head_tile / 4;
+        if threads == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(256).min(1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `attention_dq_rows_*(dq_accum, dq, args)`; the kernel
+        // reads all of dq_accum (float4 at a time; b * h * padded_m * head_tile f32) and writes
+        // rows below m and columns below d of dq ([b, h, m, d], contiguous).
+        unsafe {
+            kernel.launch(cfg, |a_| {
+                a_.arg(acc).arg(&dq).arg(&a);
+            })
+        }
+    };
+    let wrap = |s: CudaSlice<T>, like: &Tensor| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+            like.dims(),
+            BackpropOp::none(),
+            false,
+        )
+    };
     let (queries, keys) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
     if let Some((head_tile, maps)) = &hopper {
         if queries > 0 && keys > 0 {
@@ -889,31 +917,18 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                     a_.arg(&a);
                 })?;
             }
-            let kernel = Kernel::load_typed::<T>(
-                dev,
+            dq_from_accum(
                 Module::AttentionSm90,
-                &["attention_dq_rows_sm90", &format!("d{head_tile}")],
+                &format!("attention_dq_rows_sm90_d{head_tile}"),
+                acc,
+                *head_tile,
             )?;
-            let threads = p.batch * p.heads * padded_m * head_tile / 4;
-            let cfg = LaunchConfig {
-                grid_dim: (threads.div_ceil(256).min(1 << 16) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match `attention_dq_rows_sm90_*(dq_accum, dq, args)`; the
-            // kernel reads all of dq_accum (float4 at a time; [b, h, padded_m, head_tile] f32)
-            // and writes rows below m and columns below d of dq ([b, h, m, d], contiguous).
-            unsafe {
-                kernel.launch(cfg, |a_| {
-                    a_.arg(acc).arg(&dq).arg(&a);
-                })?;
-            }
         }
     } else if one_pass {
         // delta, then the one-pass backward (dq summed into an f32 buffer), then dq from it.
         if queries > 0 && keys > 0 {
             run(Pass::Delta)?;
-            // scale * dS K, summed over the key blocks: f32 [b, h, padded_m, 128], zeroed.
+            // dS K, summed over the key blocks in fragment order: f32, b * h * padded_m * 128, zeroed.
             let acc = dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * ONE_PASS_HEAD_TILE)?;
             let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_bwd_d128"])?;
             let shared = one_pass_shared_bytes(elem);
@@ -928,8 +943,8 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 shared_mem_bytes: shared as u32,
             };
             // SAFETY: the arguments match `attention_bwd_d128_*(BACKWARD_PARAMS, dq_accum)`;
-            // the operands are those of the two-pass kernels above (dq unused), and the kernel
-            // adds into acc only below row padded_m and column 128 of each (batch, head).
+            // the operands are those of the two-pass kernels above (dq unused: dq_from_accum
+            // writes it), and the kernel adds into the b * h * padded_m * 128 floats of acc.
             unsafe {
                 kernel.launch(cfg, |args| {
                     for x in [&qv, &kv, &vv, &gv, &ov] {
@@ -940,25 +955,14 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                     args.arg(&a).arg(&acc);
                 })?;
             }
+            dq_from_accum(
+                Module::Attention,
+                "attention_dq_rows_d128",
+                &acc,
+                ONE_PASS_HEAD_TILE,
+            )?;
             drop((dk_guard, dv_guard)); // every launch is queued
-            let wrap = |s: CudaSlice<T>, like: &Tensor| {
-                Tensor::from_storage(
-                    Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
-                    like.dims(),
-                    BackpropOp::none(),
-                    false,
-                )
-            };
-            let dq = Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(acc, dev.clone())),
-                (p.batch, p.heads, padded_m, ONE_PASS_HEAD_TILE),
-                BackpropOp::none(),
-                false,
-            )
-            .narrow(2, 0, p.m)?
-            .narrow(3, 0, p.d)?
-            .to_dtype(T::DTYPE)?;
-            return Ok((dq, wrap(dk, k), wrap(dv, v)));
+            return Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)));
         }
         if keys > 0 {
             run(Pass::Dq)?;
@@ -973,14 +977,5 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
     }
     drop((dk_guard, dv_guard)); // every launch is queued
-    let wrap = |s: CudaSlice<T>, like: &Tensor| {
-        Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
-            like.dims(),
-            BackpropOp::none(),
-            false,
-        )
-    };
-    let dq = wrap(dq, q);
-    Ok((dq, wrap(dk, k), wrap(dv, v)))
+    Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)))
 }

@@ -12,7 +12,8 @@
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
 // The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
 // the query tiles of every query head of its group): no atomics, identical bits run to run; or,
-// at head tile 128 where the host picks it, one kernel (bwd_tc) that adds dq with float atomics.
+// at head tile 128 where the host picks it, one kernel (bwd_tc) that adds dq with float atomics
+// (then dq_rows, attention_common.cuh, turns the sum into dq).
 // The delta row kernel serves the Hopper backward (sm90/attention.cu) and the one-pass one.
 #include "attention_common.cuh"
 
@@ -284,6 +285,29 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
     cp_async_wait<0>();
 }
 
+
+// pipeline<2> with one barrier an item fewer, for work that writes block-wide scratch only after a
+// barrier of its own: the next item's copies are issued after the barrier that opens this item
+// (every warp has then left the previous item, the last reader of that stage and of the scratch).
+template <class Next, class Load, class Work>
+__device__ __forceinline__ void pipeline_issue_after_barrier(int64_t first, int64_t end, Next&& next, Load&& load,
+                                                             Work&& work) {
+    int64_t item = first;
+    if (item < end) load(item, 0);
+    cp_async_commit();
+    int stage = 0;
+    while (item < end) {
+        const int64_t following = next(item);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (following < end) load(following, stage ^ 1);
+        cp_async_commit();
+        work(item, stage);
+        stage ^= 1;
+        item = following;
+    }
+    cp_async_wait<0>();
+}
 
 // Keys per chunk of a key tile in the query-tile kernels: the score registers of a warp are
 // 16 MF x KEY_CHUNK.
@@ -717,43 +741,26 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
 // src/attention/cuda.rs). A block of ONE_PASS_WARPS warps owns ONE_PASS_KEYS keys and walks the
 // query tiles of every query head of its group, Q / dO in two stages: S and dP once per 64
 // queries (a warp 32 queries x 32 keys), P and dS through shared memory, dK / dV accumulated per
-// warp over 32 keys x 64 head columns, and scale * dS K (a warp 32 queries x 32 head columns)
-// added into dq_accum (f32 [b, h, row_tiles * 64, 128], zeroed) with float atomics: dq's bits
-// depend on the order of the additions.
+// warp over 32 keys x 64 head columns, and dS K (a warp 32 queries x 32 head columns) added
+// into dq_accum (f32, zeroed; the fragment order of dq_fragment<128, 2>, attention_common.cuh)
+// by 16-byte reductions, which attention_dq_rows_d128_* then scales into dq: dq's bits depend
+// on the order of the additions.
 constexpr int BWD_THREADS = AC::ONE_PASS_WARPS * 32, BWD_KEYS = AC::ONE_PASS_KEYS;
 static_assert(BWD_THREADS == 256 && BWD_KEYS == 128, "the warp roles of bwd_tc: 2 x 4 over S, 4 x 2 over dK / dV");
 
-// acc (16 MF x 8 NT) += Aᵀ B over K: A stored [k][row] (rows r0..), B stored [k][n] (columns n0..).
-template <typename T, int K, int LDA, int LDB, int MF, int NT>
-__device__ __forceinline__ void product_atb(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
-                                            int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        uint32_t x[MF][4];
-#pragma unroll
-        for (int f = 0; f < MF; ++f) load_a_trans<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            uint32_t y[4];
-            load_b_trans<T, LDB>(y, b_tile, kk * 16, n0 + np * 16, lane);
-#pragma unroll
-            for (int f = 0; f < MF; ++f) {
-                mma_m16n8k16<T>(acc[f][2 * np], x[f], y[0], y[1]);
-                mma_m16n8k16<T>(acc[f][2 * np + 1], x[f], y[2], y[3]);
-            }
-        }
-    }
-}
-
-// acc (16 MF x 8 NT) += A B over K: A stored [row][k] (rows r0..), B stored [k][n] (columns n0..).
-template <typename T, int K, int LDA, int LDB, int MF, int NT>
+// acc (16 MF x 8 NT) += A B over K, B stored [k][n] (columns n0..); A stored [row][k] (rows
+// r0..), or [k][row] where A_K_MAJOR (so that the product is Aᵀ B of the stored tile).
+template <typename T, int K, int LDA, int LDB, int MF, int NT, bool A_K_MAJOR = false>
 __device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
                                            int lane) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t x[MF][4];
 #pragma unroll
-        for (int f = 0; f < MF; ++f) load_a<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+        for (int f = 0; f < MF; ++f) {
+            if constexpr (A_K_MAJOR) load_a_trans<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+            else load_a<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+        }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t y[4];
@@ -765,16 +772,6 @@ __device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_t
             }
         }
     }
-}
-
-// *p += x, p[1] += y, atomically (one 8-byte reduction from sm_90; p 8-byte aligned).
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
 }
 
 template <typename T, int MASKS>
@@ -928,23 +925,23 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                 }
         __syncthreads();
         // dV += Pᵀ dO and dK += dSᵀ Q (32 keys x 64 head columns a warp).
-        product_atb<T, BQ, PLD, LD, 2, 8>(acc_dv, sp, kv_row, sdo_, kv_col, lane);
-        product_atb<T, BQ, PLD, LD, 2, 8>(acc_dk, sds, kv_row, sq_, kv_col, lane);
+        product_ab<T, BQ, PLD, LD, 2, 8, true>(acc_dv, sp, kv_row, sdo_, kv_col, lane);
+        product_ab<T, BQ, PLD, LD, 2, 8, true>(acc_dk, sds, kv_row, sq_, kv_col, lane);
         // dQ += scale * dS K over the block's 128 keys (32 queries x 32 head columns a warp).
         float acc_dq[2][4][4];
         zero_fragments(acc_dq);
         product_ab<T, KB, PLD, LD, 2, 4>(acc_dq, sds, q_row, sk, dq_col, lane);
-        float* dq_rows = dq_accum + ((b * a.heads + h) * a.row_tiles * BQ + i0 + q_row + g) * D + dq_col + 2 * t;
+        // Into dq_accum in fragment order (attention_common.cuh; two column blocks of 64).
+        float4* dq_tile = reinterpret_cast<float4*>(dq_accum);
 #pragma unroll
         for (int f = 0; f < 2; ++f)
 #pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-                    red_add2(dq_rows + (16 * f + 8 * half) * D + nt * 8, acc_dq[f][nt][2 * half] * a.scale,
-                             acc_dq[f][nt][2 * half + 1] * a.scale);
+            for (int nt = 0; nt < 4; ++nt)
+                red_add4(dq_fragment<D, 2>(dq_tile, (b * a.heads + h) * a.row_tiles + qt, q_row / 16 + f,
+                                           dq_col / 8 + nt, lane),
+                         make_float4(acc_dq[f][nt][0], acc_dq[f][nt][1], acc_dq[f][nt][2], acc_dq[f][nt][3]));
     };
-    pipeline<2>(next(-1), end, next, load, work);
+    pipeline_issue_after_barrier(next(-1), end, next, load, work);
 #pragma unroll
     for (int f = 0; f < 2; ++f)
 #pragma unroll
@@ -1191,6 +1188,9 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
     extern "C" __global__ void __launch_bounds__(BWD_THREADS) attention_bwd_d128_##RUST(BACKWARD_PARAMS(T),            \
                                                                                         float* dq_accum) {             \
         bwd_tc<T, FORMULA_OR_STORED>(BACKWARD_OPERANDS(T), dq_accum, a);                                              \
+    }                                                                                                                 \
+    extern "C" __global__ void attention_dq_rows_d128_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {        \
+        dq_rows<T, 128, 2>(dq_accum, dq, a);                                                                          \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \
         delta_rows<T>(BACKWARD_OPERANDS(T), a);                                                                       \

@@ -342,4 +342,49 @@ __device__ __forceinline__ int64_t next_live(int64_t item, int64_t end, Live&& l
     return end;
 }
 
+// *p += x, element by element: one 16-byte reduction in L2 from sm_90, four float atomics before.
+__device__ __forceinline__ void red_add4(float4* p, float4 x) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)
+                 : "memory");
+#else
+    float* q = reinterpret_cast<float*>(p);
+    atomicAdd(q, x.x);
+    atomicAdd(q + 1, x.y);
+    atomicAdd(q + 2, x.z);
+    atomicAdd(q + 3, x.w);
+#endif
+}
+
+// The layout of dq_accum, the f32 sum of dS K that the atomic backwards (Hopper's, the portable
+// one-pass) add into with red_add4, straight from mma accumulators: for each (batch, head) and
+// query tile of BQ rows, COL_BLOCKS blocks of D / COL_BLOCKS head columns; in each, per 16-row
+// fragment and 8-column tile, the float4 of every lane (rows g and g + 8, columns 2 t and 2 t + 1,
+// g = lane / 4, t = lane % 4). dq_fragment is the float4 of the fragment at (row, col) of tile bh_tile.
+template <int D, int COL_BLOCKS>
+__device__ __forceinline__ float4* dq_fragment(float4* dq_accum, int64_t bh_tile, int row16, int col8, int lane) {
+    constexpr int COLS = D / COL_BLOCKS;
+    const int64_t block = bh_tile * COL_BLOCKS + col8 * 8 / COLS;
+    return dq_accum + ((block * (BQ / 16) + row16) * (COLS / 8) + col8 % (COLS / 8)) * 32 + lane;
+}
+
+// dq = scale * dq_accum (T [b, h, m, d], contiguous) from that layout: a thread per float4.
+template <typename T, int D, int COL_BLOCKS>
+__device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* __restrict__ dq, const AttentionArgs& a) {
+    constexpr int COLS = D / COL_BLOCKS, PER_BLOCK = BQ / 16 * COLS / 8 * 32;  // float4 per column block
+    const int64_t total = a.batch * a.heads * a.row_tiles * COL_BLOCKS * PER_BLOCK;
+    for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
+         index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t block = index / PER_BLOCK, col_block = block % COL_BLOCKS, tile = block / COL_BLOCKS;
+        const int within = static_cast<int>(index % PER_BLOCK), lane = within % 32, fragment = within / 32;
+        const int row16 = fragment / (COLS / 8), nt = fragment % (COLS / 8), g = lane / 4, t = lane % 4;
+        const int64_t bh = tile / a.row_tiles, row = (tile % a.row_tiles) * BQ + row16 * 16 + g;
+        const int64_t col = col_block * COLS + nt * 8 + 2 * t;
+        if (col >= a.d) continue;
+        const float4 x = dq_accum[index];
+        if (row < a.m) fastops::from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x * a.scale, x.y * a.scale);
+        if (row + 8 < a.m) fastops::from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z * a.scale, x.w * a.scale);
+    }
+}
+
 }  // namespace

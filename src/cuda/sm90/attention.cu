@@ -528,11 +528,6 @@ __device__ __forceinline__ uint64_t mnmajor_sw128(uint32_t tile, int kk) {
     return smem_desc_sw128(tile + kk * 2048, 8192, 1024);
 }
 
-// *p += x, element by element, as one 16-byte reduction in L2 (sm_90).
-__device__ __forceinline__ void red_add4(float4* p, float4 x) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)
-                 : "memory");
-}
 // Waits until at most PENDING of this thread's bulk groups have not read their shared memory.
 template <int PENDING> __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
@@ -932,26 +927,6 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
     }
 }
 
-// dq = scale * dq_accum (T [b, h, m, d]) from the backward's dq_accum (see backward_ws): a thread
-// per float4 of dq_accum, which holds rows g and g + 8, columns 2 t and 2 t + 1 of an 8 x 8 tile.
-template <typename T, int D>
-__device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* __restrict__ dq, const AttentionArgs& a) {
-    constexpr int DQ_COLS = D / BWD_WARPGROUPS, PER_BLOCK = 16 * DQ_COLS;  // float4 per warpgroup block
-    const int64_t total = a.batch * a.heads * a.row_tiles * BWD_WARPGROUPS * PER_BLOCK;
-    for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
-         index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t block = index / PER_BLOCK, half = block % BWD_WARPGROUPS, tile = block / BWD_WARPGROUPS;
-        const int within = static_cast<int>(index % PER_BLOCK), lane = within % 32, fragment = within / 32;
-        const int warp = fragment / (DQ_COLS / 8), nt = fragment % (DQ_COLS / 8), g = lane / 4, t = lane % 4;
-        const int64_t bh = tile / a.row_tiles, row = (tile % a.row_tiles) * BQ + warp * 16 + g;
-        const int64_t col = half * DQ_COLS + nt * 8 + 2 * t;
-        if (col >= a.d) continue;
-        const float4 x = dq_accum[index];
-        if (row < a.m) from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x * a.scale, x.y * a.scale);
-        if (row + 8 < a.m) from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z * a.scale, x.w * a.scale);
-    }
-}
-
 }  // namespace
 
 // Exported kernels: attention_fwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16} (generated:
@@ -991,7 +966,7 @@ ATTENTION_SM90(__nv_bfloat16, bf16, 128)
     ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, FORMULA)                                                           \
     ATTENTION_SM90_BWD_MASK(T, RUST, D, runs, RUNS) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, STORED)              \
     extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {  \
-        dq_rows<T, D>(dq_accum, dq, a);                                                                               \
+        dq_rows<T, D, BWD_WARPGROUPS>(dq_accum, dq, a);                                                                               \
     }
 ATTENTION_SM90_BWD(__half, f16, 64)
 ATTENTION_SM90_BWD(__half, f16, 128)
