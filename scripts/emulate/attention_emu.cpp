@@ -85,7 +85,8 @@ template <typename T> static const char* dtype_name() {
 
 // runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
 // the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
-// one_pass: the one-pass backward (D = 128): delta, then attention_bwd_d128_* (dq through its f32 buffer).
+// one_pass: the one-pass backward (D = 128): delta, then attention_bwd_[runs_]d128_* (dq through its f32
+// buffer), then attention_dq_rows_d128_*.
 template <typename T> static int run_case(const Case& c, uint64_t seed, bool runs = false, bool one_pass = false) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
@@ -231,7 +232,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         });                                                                                                         \
         const size_t smem1 = (2 * 128 + 6 * 64) * (128 + C::ROW_PAD) * sizeof(T) + 4 * 64 * 4;       \
         launch(blocks(c.b * c.hk * ((c.n + 127) / 128)), 256, smem1, [&] {                                          \
-            attention_bwd_d128_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
+            (runs ? attention_bwd_runs_d128_##S : attention_bwd_d128_##S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
                                          delta.data(), nullptr, dk.data(), dvv.data(), st, de, id, a,              \
                                          dq_accum.data());                                                         \
         });                                                                                                         \
@@ -331,7 +332,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         std::printf("  %-5s %-4s %s worst %.2e at %zu (got %g, want %g)\n", ok ? "ok" : "FAIL", dtype_name<T>(), what,
                     worst, at, got(at), want[at]);
     };
-    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), runs ? " (runs)" : (one_pass ? " (one pass)" : ""), (long long)c.b,
+    std::printf("%s%s [b %lld h %lld hk %lld m %lld n %lld d %lld dv %lld, D %lld]\n", c.name.c_str(), runs ? (one_pass ? " (runs, one pass)" : " (runs)") : (one_pass ? " (one pass)" : ""), (long long)c.b,
                 (long long)c.h, (long long)c.hk, (long long)c.m, (long long)c.n, (long long)c.d, (long long)c.dv,
                 (long long)(rows ? 0 : D));
     compare("out", [&](size_t i) { return Host<T>::to(out[i]); }, r_out, tol_out);
@@ -378,6 +379,10 @@ int main(int argc, char** argv) {
         if (std::max(c.d, c.dv) > 64 && std::max(c.d, c.dv) <= 128) {  // the one-pass backward
             failures += run_case<__nv_bfloat16>(c, seed++, false, true);
             failures += run_case<__half>(c, seed++, false, true);
+            if (c.kind == DOCS && c.m == c.n) {  // its runs instance
+                failures += run_case<__nv_bfloat16>(c, seed++, true, true);
+                failures += run_case<__half>(c, seed++, true, true);
+            }
         }
     }
     std::printf("%s: %d failing checks\n", failures ? "FAILED" : "all ok", failures);

@@ -223,7 +223,8 @@ fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path, mask: &DeviceMas
                 head_tile: ONE_PASS_HEAD_TILE
             }
         )
-        || mask.args.kind == C::MASK_RUNS
+        || (mask.args.kind == C::MASK_RUNS
+            && std::env::var("CANDLE_FASTOPS_ATTENTION_ONE_PASS_RUNS").as_deref() == Ok("0"))
     {
         return Ok(false);
     }
@@ -930,7 +931,12 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             run(Pass::Delta)?;
             // dS K, summed over the key blocks in fragment order: f32, b * h * padded_m * 128, zeroed.
             let acc = dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * ONE_PASS_HEAD_TILE)?;
-            let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_bwd_d128"])?;
+            let name = if mask.args.kind == C::MASK_RUNS {
+                "attention_bwd_runs_d128"
+            } else {
+                "attention_bwd_d128"
+            };
+            let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &[name])?;
             let shared = one_pass_shared_bytes(elem);
             kernel.allow_dynamic_shared(shared)?;
             let cfg = LaunchConfig {

@@ -1189,6 +1189,10 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
                                                                                         float* dq_accum) {             \
         bwd_tc<T, FORMULA_OR_STORED>(BACKWARD_OPERANDS(T), dq_accum, a);                                              \
     }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(BWD_THREADS) attention_bwd_runs_d128_##RUST(BACKWARD_PARAMS(T),       \
+                                                                                             float* dq_accum) {        \
+        bwd_tc<T, RUNS>(BACKWARD_OPERANDS(T), dq_accum, a);                                                           \
+    }                                                                                                                 \
     extern "C" __global__ void attention_dq_rows_d128_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {        \
         dq_rows<T, 128, 2>(dq_accum, dq, a);                                                                          \
     }                                                                                                                 \
