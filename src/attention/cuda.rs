@@ -207,10 +207,9 @@ fn one_pass_shared_bytes(elem: usize) -> usize {
 
 /// Whether the backward runs as one pass (`bwd_tc`: S and dP once per tile pair, dq summed with
 /// float atomics) rather than as the dq and dk / dv passes: f16 / bf16 at head tile 128, not
-/// deterministic, with the shared memory it needs (compute capability 9.0 and up), and a mask
-/// other than documents in runs, where the two passes measured faster (BENCHMARKS.md,
-/// masked_attention, session 34). `CANDLE_FASTOPS_ATTENTION_ONE_PASS=0` turns it off, for
-/// comparisons (read once per process).
+/// deterministic, with the shared memory it needs (compute capability 9.0 and up); any mask
+/// (documents in runs through their own instance). `CANDLE_FASTOPS_ATTENTION_ONE_PASS=0` turns
+/// it off, for comparisons (read once per process).
 fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path, mask: &DeviceMask) -> Result<bool> {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let allowed = *ALLOWED
@@ -223,8 +222,6 @@ fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path, mask: &DeviceMas
                 head_tile: ONE_PASS_HEAD_TILE
             }
         )
-        || (mask.args.kind == C::MASK_RUNS
-            && std::env::var("CANDLE_FASTOPS_ATTENTION_ONE_PASS_RUNS").as_deref() == Ok("0"))
     {
         return Ok(false);
     }
