@@ -210,7 +210,7 @@ fn one_pass_shared_bytes(elem: usize) -> usize {
 /// deterministic, with the shared memory it needs (compute capability 9.0 and up); any mask
 /// (documents in runs through their own instance). `CANDLE_FASTOPS_ATTENTION_ONE_PASS=0` turns
 /// it off, for comparisons (read once per process).
-fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path, mask: &DeviceMask) -> Result<bool> {
+fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path) -> Result<bool> {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let allowed = *ALLOWED
         .get_or_init(|| std::env::var("CANDLE_FASTOPS_ATTENTION_ONE_PASS").as_deref() != Ok("0"));
@@ -830,7 +830,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         None => None,
     };
     let mask = &mask.for_path(path);
-    let one_pass = hopper.is_none() && one_pass_backward(dev, p, path, mask)?;
+    let one_pass = hopper.is_none() && one_pass_backward(dev, p, path)?;
     let dq = alloc_output::<T>(dev, q.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
