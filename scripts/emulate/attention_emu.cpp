@@ -85,7 +85,7 @@ template <typename T> static const char* dtype_name() {
 
 // runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
 // the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
-// one_pass: the one-pass backward (D = 128): delta, then attention_bwd_[runs_]d128_* (dq through its f32
+// one_pass: the one-pass backward (D = 128): delta, then attention_bwd_{family}_d128_* (dq through its f32
 // buffer), then attention_dq_rows_d128_*.
 template <typename T> static int run_case(const Case& c, uint64_t seed, bool runs = false, bool one_pass = false) {
     std::mt19937_64 rng(seed);
@@ -179,6 +179,8 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
 
     // The kernels, as the host picks them.
     const bool rows = std::is_same_v<T, float>;
+    // The instance family the host picks by the mask's kind (mask_family of src/attention/cuda.rs).
+    const int family = a.mask.kind <= C::MASK_WINDOW ? 0 : (a.mask.kind == C::MASK_RUNS ? 1 : 2);
     const int64_t dmax = std::max(pd, pdv), D = dmax <= 64 ? 64 : dmax <= 128 ? 128 : 256;
     // Tiles per block, stages and shared memory as the host's launch code picks them.
     const size_t tile = 64 * (D + C::ROW_PAD) * sizeof(T), qtiles = D > 128 ? 1 : 2;
@@ -196,7 +198,8 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         launch(blocks((c.b * c.h * c.m + w - 1) / w), w * 32, 0,
                [&] { attention_fwd_rows_f32(qf, kf, vf, reinterpret_cast<float*>(out.data()), lse.data(), st, de, id, a); });
     } else {
-#define PICK(STEM, DD, S) (runs ? STEM##_runs_d##DD##_##S : STEM##_d##DD##_##S)
+#define PICK(STEM, DD, S)                                                                                    \
+    (family == 0 ? STEM##_generated_d##DD##_##S : family == 1 ? STEM##_runs_d##DD##_##S : STEM##_stored_d##DD##_##S)
 #define FWD(DD, S)                                                                                              \
     launch(blocks(query_blocks), 128, (qtiles + 2 * fwd_stages) * tile,                                              \
            [&] { PICK(attention_fwd, DD, S)(q.data(), k.data(), v.data(), out.data(), lse.data(), st, de, id, a); })
@@ -232,7 +235,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
         });                                                                                                         \
         const size_t smem1 = (2 * 128 + 6 * 64) * (128 + C::ROW_PAD) * sizeof(T) + 4 * 64 * 4;       \
         launch(blocks(c.b * c.hk * ((c.n + 127) / 128)), 256, smem1, [&] {                                          \
-            (runs ? attention_bwd_runs_d128_##S : attention_bwd_d128_##S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
+            PICK(attention_bwd, 128, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
                                          delta.data(), nullptr, dk.data(), dvv.data(), st, de, id, a,              \
                                          dq_accum.data());                                                         \
         });                                                                                                         \

@@ -145,6 +145,10 @@ inline void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     std::memset(emu::smem + dst, 0, 16);
     std::memcpy(emu::smem + dst, src, src_bytes);
 }
+inline void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+    std::memset(emu::smem + dst, 0, 4);
+    std::memcpy(emu::smem + dst, src, src_bytes);
+}
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 

@@ -361,8 +361,7 @@ impl Path {
     }
 
     /// The kernel of a pass for a mask as [`DeviceMask::for_path`] gives it: the tensor-core
-    /// passes that read a mask have an instance for generated and stored masks and one for runs
-    /// (`attention_{stem}_runs_d{head_tile}_*`).
+    /// passes have an instance per [`mask_family`] (`attention_{stem}_{family}_d{head_tile}_*`).
     fn kernel<T: WithDType>(
         self, dev: &CudaDevice, pass: Pass, mask: &DeviceMask,
     ) -> Result<Kernel> {
@@ -374,10 +373,9 @@ impl Path {
         };
         let tile = match (self, pass) {
             (_, Pass::Delta) => String::new(),
-            (Path::TensorCores { head_tile }, _) if mask.args.kind == C::MASK_RUNS => {
-                format!("runs_d{head_tile}")
+            (Path::TensorCores { head_tile }, _) => {
+                format!("{}_d{head_tile}", mask_family(mask))
             }
-            (Path::TensorCores { head_tile }, _) => format!("d{head_tile}"),
             (Path::Rows, _) => "rows".to_string(),
         };
         let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &[stem, &tile])?;
@@ -483,21 +481,27 @@ impl Path {
     }
 }
 
-/// The Hopper kernel `stem_{generated,runs,stored}_d{head_tile}_{dtype}` for a mask (generated
+/// The instance family of the tensor-core kernels (portable and Hopper) that reads `mask`: the
+/// `generated`, `runs` or `stored` in `attention_{stem}_{family}_d{head_tile}_{dtype}` (generated
 /// masks: full, causal, window; runs: documents in contiguous runs; stored tile states: other
-/// documents, dense), allowed `shared` bytes of dynamic shared memory.
-fn hopper_kernel<T: WithDType>(
-    dev: &CudaDevice, stem: &str, mask: &DeviceMask, head_tile: usize, shared: usize,
-) -> Result<Kernel> {
-    let masks = match mask.args.kind {
+/// documents, dense). Mirrors `MaskFamily` of attention_common.cuh.
+fn mask_family(mask: &DeviceMask) -> &'static str {
+    match mask.args.kind {
         C::MASK_FULL | C::MASK_CAUSAL | C::MASK_WINDOW => "generated",
         C::MASK_RUNS => "runs",
         _ => "stored",
-    };
+    }
+}
+
+/// The Hopper kernel `stem_{family}_d{head_tile}_{dtype}` for a mask ([`mask_family`]), allowed
+/// `shared` bytes of dynamic shared memory.
+fn hopper_kernel<T: WithDType>(
+    dev: &CudaDevice, stem: &str, mask: &DeviceMask, head_tile: usize, shared: usize,
+) -> Result<Kernel> {
     let kernel = Kernel::load_typed::<T>(
         dev,
         Module::AttentionSm90,
-        &[stem, masks, &format!("d{head_tile}")],
+        &[stem, mask_family(mask), &format!("d{head_tile}")],
     )?;
     kernel.allow_dynamic_shared(shared)?;
     Ok(kernel)
@@ -834,7 +838,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let dq = alloc_output::<T>(dev, q.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
-    // (The delta pass, the one portable pass beside the Hopper backward, reads no mask.)
+    // (The delta pass, run before the Hopper and the one-pass backwards, reads no mask.)
     let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
@@ -928,12 +932,11 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             run(Pass::Delta)?;
             // dS K, summed over the key blocks in fragment order: f32, b * h * padded_m * 128, zeroed.
             let acc = dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * ONE_PASS_HEAD_TILE)?;
-            let name = if mask.args.kind == C::MASK_RUNS {
-                "attention_bwd_runs_d128"
-            } else {
-                "attention_bwd_d128"
-            };
-            let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &[name])?;
+            let kernel = Kernel::load_typed::<T>(
+                dev,
+                Module::Attention,
+                &["attention_bwd", mask_family(mask), "d128"],
+            )?;
             let shared = one_pass_shared_bytes(elem);
             kernel.allow_dynamic_shared(shared)?;
             let cfg = LaunchConfig {
@@ -945,7 +948,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 block_dim: (ONE_PASS_THREADS, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
-            // SAFETY: the arguments match `attention_bwd_d128_*(BACKWARD_PARAMS, dq_accum)`;
+            // SAFETY: the arguments match `attention_bwd_{family}_d128_*(BACKWARD_PARAMS, dq_accum)`;
             // the operands are those of the two-pass kernels above (dq unused: dq_from_accum
             // writes it), and the kernel adds into the b * h * padded_m * 128 floats of acc.
             unsafe {

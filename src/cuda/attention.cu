@@ -13,7 +13,8 @@
 // The backward is two kernels, dq (per query tile, over key tiles) and dk / dv (per key tile, over
 // the query tiles of every query head of its group): no atomics, identical bits run to run; or,
 // at head tile 128 where the host picks it, one kernel (bwd_tc) that adds dq with float atomics
-// (then dq_rows, attention_common.cuh, turns the sum into dq).
+// (then dq_rows, attention_common.cuh, turns the sum into dq). Each tensor-core kernel has an
+// instance per mask family (generated, runs, stored: MaskFamily, attention_common.cuh).
 // The delta row kernel serves the Hopper backward (sm90/attention.cu) and the one-pass one.
 #include "attention_common.cuh"
 
@@ -52,6 +53,25 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
     return l == -INFINITY ? INFINITY : l * LOG2E;
 }
 
+// Issues the asynchronous copies (cp_async4) of the log-sum-exps and deltas of rows row0 ..
+// row0 + BQ - 1 of a [b, h, m] statistic into s_lse / s_delta, zeros for the rows at or past
+// `rows` (past m). Read the log-sum-exps through row_lse2, and only where the mask is read for
+// rows past m: their stored 0 gives probability exp2(0) = 1 before the mask hides them (their Q
+// and dO rows are zero, and a tile that reaches past m is never full).
+template <int NTHREADS>
+__device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, const float* lse, const float* delta,
+                                               int64_t row0, int64_t rows) {
+    for (int r = threadIdx.x; r < BQ; r += NTHREADS) {
+        const bool valid = r < rows;
+        const int64_t at = valid ? row0 + r : 0;
+        cp_async4(shared_address(s_lse + r), lse + at, valid ? 4 : 0);
+        cp_async4(shared_address(s_delta + r), delta + at, valid ? 4 : 0);
+    }
+}
+// A log-sum-exp from load_row_stats as the backward uses it: log2 units, +inf for a row that sees
+// no key (lse -inf), so that exp2(x - it) is 0.
+__device__ __forceinline__ float row_lse2(float stored) { return stored == -INFINITY ? INFINITY : stored * LOG2E; }
+
 // ---- Tensor-core pieces. A warp's accumulator tile of 16 rows x 8 columns holds, in lane
 // (g = lane / 4, t = lane % 4), rows g and g + 8, columns 2t and 2t + 1: element r of the four
 // is at row g + (r / 2) * 8, column 2t + (r % 2).
@@ -82,6 +102,20 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
                        valid ? 16 : 0);
         }
     }
+}
+
+// load_tile's inverse: copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a
+// ROWS x D shared tile of row stride D + ROW_PAD into a row-major global tile (16-byte aligned
+// rows), 16 bytes a thread.
+template <typename T, int D, int ROWS, int NTHREADS>
+__device__ __forceinline__ void store_tile(T* dst, int64_t row_stride, const T* tile, int64_t rows, int64_t cols) {
+    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
+    const int r0 = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+    if (col >= cols) return;
+#pragma unroll
+    for (int r = r0; r < ROWS; r += ROW_STEP)
+        if (r < rows) *reinterpret_cast<uint4*>(dst + r * row_stride + col) = *reinterpret_cast<const uint4*>(tile + r * LD + col);
 }
 
 // A fragment (16 rows from r0 x 16 columns from k0) of a row-major [row][k] shared tile.
@@ -667,10 +701,7 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
         load_tile<T, D>(sq + stage * E, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                         a.q_strides[2], rows, a.d);
         load_tile<T, D>(sdo + stage * E, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
-        for (int r = threadIdx.x; r < BQ; r += THREADS) {
-            s_lse[stage * BQ + r] = lse_log2(ops.lse, bh * a.m + i0 + r, r < rows);
-            s_delta[stage * BQ + r] = r < rows ? ops.delta[bh * a.m + i0 + r] : 0.f;
-        }
+        load_row_stats<THREADS>(s_lse + stage * BQ, s_delta + stage * BQ, ops.lse, ops.delta, bh * a.m + i0, rows);
     };
     auto work = [&](int64_t item, int stage) {
         const int64_t h = h0 + item / a.row_tiles, qt = item % a.row_tiles, i0 = qt * BQ;
@@ -692,7 +723,7 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             else
                 product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
             per_column(s, s_lse + stage * BQ + col0,
-                       [&](float x, float lse2, int, int) { return exp2f(fmaf(x, a.scale_log2, -lse2)); });
+                       [&](float x, float lse, int, int) { return exp2f(fmaf(x, a.scale_log2, -row_lse2(lse))); });
             if (partial && mask.generated()) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
@@ -804,6 +835,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
     const int q_row = 32 * (warp / 4), s_key = 32 * (warp % 4);
     const int kv_row = 32 * (warp / 2), kv_col = 64 * (warp % 2), dq_col = 32 * (warp % 4);
     const int64_t warp_kt = 2 * kb + (warp % 4) / 2;
+    // Generated masks: every query tile's state for this warp's key tile, worked out once.
+    const TileSpan warp_span = mask.generated() ? mask.query_span(warp_kt) : TileSpan{1, 0, 1, 0};
 
     float acc_dk[2][8][4], acc_dv[2][8][4];
     zero_fragments(acc_dk);
@@ -841,10 +874,7 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
         load_tile<T, D, 64, BWD_THREADS>(sq + stage * QE, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                                           a.q_strides[2], rows, a.d);
         load_tile<T, D, 64, BWD_THREADS>(sdo + stage * QE, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
-        for (int r = threadIdx.x; r < BQ; r += BWD_THREADS) {
-            s_lse[stage * BQ + r] = lse_log2(ops.lse, bh * a.m + i0 + r, r < rows);
-            s_delta[stage * BQ + r] = r < rows ? ops.delta[bh * a.m + i0 + r] : 0.f;
-        }
+        load_row_stats<BWD_THREADS>(s_lse + stage * BQ, s_delta + stage * BQ, ops.lse, ops.delta, bh * a.m + i0, rows);
     };
     auto work = [&](int64_t item, int stage) {
         const T* sq_ = sq + stage * QE;
@@ -852,7 +882,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
         const float* s_lse_ = s_lse + stage * BQ;
         const float* s_delta_ = s_delta + stage * BQ;
         const int64_t h = h0 + (item >> 32), qt = item & 0xffffffffll, i0 = qt * BQ;
-        const uint8_t state = warp_kt < a.col_tiles ? mask.tile_state(h, qt, warp_kt) : TILE_EMPTY;
+        const uint8_t state = mask.generated() ? warp_span.state(static_cast<int>(qt))
+                                               : (warp_kt < a.col_tiles ? mask.tile_state(h, qt, warp_kt) : TILE_EMPTY);
         // S and dP (32 queries x 32 keys a warp), then P and dS into shared memory.
         float s[2][4][4], dp[2][4][4];
         if (state != TILE_EMPTY) {
@@ -864,7 +895,7 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
             for (int f = 0; f < 2; ++f)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const float lse2 = s_lse_[q_row + 16 * f + g + 8 * half];
+                    const float lse2 = row_lse2(s_lse_[q_row + 16 * f + g + 8 * half]);
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -942,23 +973,23 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                          make_float4(acc_dq[f][nt][0], acc_dq[f][nt][1], acc_dq[f][nt][2], acc_dq[f][nt][3]));
     };
     pipeline_issue_after_barrier(next(-1), end, next, load, work);
+    // dK (times the scale) and dV through the K and V tiles' room (free once every warp has left
+    // the loop), then out 16 bytes a thread.
+    __syncthreads();
 #pragma unroll
     for (int f = 0; f < 2; ++f)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int64_t key = j0 + kv_row + 16 * f + g + 8 * half;
-            if (key >= a.n) continue;
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
-                const int col = kv_col + nt * 8 + 2 * t;
-                if (col < a.d)
-                    from_float2<T>(ops.dk + (bhk * a.n + key) * a.d + col, acc_dk[f][nt][2 * half] * a.scale,
-                                   acc_dk[f][nt][2 * half + 1] * a.scale);
-                if (col < a.dv)
-                    from_float2<T>(ops.dv + (bhk * a.n + key) * a.dv + col, acc_dv[f][nt][2 * half],
-                                   acc_dv[f][nt][2 * half + 1]);
+                const int at = (kv_row + 16 * f + g + 8 * half) * LD + kv_col + nt * 8 + 2 * t;
+                *reinterpret_cast<uint32_t*>(sk + at) =
+                    pack2<T>(acc_dk[f][nt][2 * half] * a.scale, acc_dk[f][nt][2 * half + 1] * a.scale);
+                *reinterpret_cast<uint32_t*>(sv + at) = pack2<T>(acc_dv[f][nt][2 * half], acc_dv[f][nt][2 * half + 1]);
             }
-        }
+    __syncthreads();
+    store_tile<T, D, KB, BWD_THREADS>(ops.dk + (bhk * a.n + j0) * a.d, a.d, sk, keys, a.d);
+    store_tile<T, D, KB, BWD_THREADS>(ops.dv + (bhk * a.n + j0) * a.dv, a.dv, sv, keys, a.dv);
 }
 
 // The one argument list of the backward kernels, and their operands from it.
@@ -1148,25 +1179,27 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
 
 }  // namespace
 
-// Exported kernels: attention_{fwd,dq,dkdv}_d{64,128,256}_{f16,bf16} (tensor cores; where D = 256
-// dkdv runs on a grid of two y-slices, dv in the first and dk in the second, so that each keeps one
-// accumulator), attention_delta_{f16,bf16} (delta alone, before the Hopper backward) and
-// attention_{fwd,dq,dkdv}_rows_f32. The tensor-core
-// kernels read generated (full, causal, window) and stored masks; their attention_*_runs_*
-// instances read documents in contiguous runs (MASK_RUNS). The backward kernels take one argument
-// list, BACKWARD_PARAMS. The backward runs dq (which writes delta), then dk / dv (which reads
-// it).
-#define ATTENTION_TC(T, RUST, D, MASKS, INFIX)                                                                        \
+// Exported kernels: attention_{fwd,dq,dkdv}_{generated,runs,stored}_d{64,128,256}_{f16,bf16}
+// (tensor cores; where D = 256 dkdv runs on a grid of two y-slices, dv in the first and dk in the
+// second, so that each keeps one accumulator), the one-pass backward
+// attention_bwd_{generated,runs,stored}_d128_* and its attention_dq_rows_d128_*,
+// attention_delta_{f16,bf16} (delta alone, before the Hopper and one-pass backwards) and
+// attention_{fwd,dq,dkdv}_rows_f32. Each tensor-core kernel has an instance per MaskFamily
+// (generated: full, causal, window; runs: documents in contiguous runs, MASK_RUNS; stored: tile
+// states in memory). The backward kernels take one argument list, BACKWARD_PARAMS. The two-pass
+// backward runs dq (which writes delta), then dk / dv (which reads it).
+#define ATTENTION_TC(T, RUST, D, MASKS, FAMILY)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-        attention_fwd_##INFIX##d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse,                  \
-                                             const uint8_t* states, const uint8_t* dense, const int64_t* ids,         \
-                                             AttentionArgs a) {                                                       \
+        attention_fwd_##FAMILY##_d##D##_##RUST(const T* q, const T* k, const T* v, T* out, float* lse,                \
+                                               const uint8_t* states, const uint8_t* dense, const int64_t* ids,       \
+                                               AttentionArgs a) {                                                     \
         forward_tc<T, D, MASKS>(q, k, v, out, lse, states, dense, ids, a);                                            \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) {   \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_##FAMILY##_d##D##_##RUST(BACKWARD_PARAMS(T)) { \
         dq_tc<T, D, MASKS>(BACKWARD_OPERANDS(T), a);                                                                  \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_##INFIX##d##D##_##RUST(BACKWARD_PARAMS(T)) { \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+        attention_dkdv_##FAMILY##_d##D##_##RUST(BACKWARD_PARAMS(T)) {                                                 \
         if constexpr (D > 128) {                                                                                      \
             if (blockIdx.y == 0)                                                                                      \
                 dkdv_tc<T, D, 1, MASKS>(BACKWARD_OPERANDS(T), a);                                                     \
@@ -1177,22 +1210,19 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
         }                                                                                                             \
     }
 
-#define ATTENTION_TC_MASKS(T, RUST, MASKS, INFIX)                                                                     \
-    ATTENTION_TC(T, RUST, 64, MASKS, INFIX)                                                                           \
-    ATTENTION_TC(T, RUST, 128, MASKS, INFIX)                                                                          \
-    ATTENTION_TC(T, RUST, 256, MASKS, INFIX)
+#define ATTENTION_TC_MASKS(T, RUST, MASKS, FAMILY)                                                                    \
+    ATTENTION_TC(T, RUST, 64, MASKS, FAMILY)                                                                          \
+    ATTENTION_TC(T, RUST, 128, MASKS, FAMILY)                                                                         \
+    ATTENTION_TC(T, RUST, 256, MASKS, FAMILY)                                                                         \
+    extern "C" __global__ void __launch_bounds__(BWD_THREADS)                                                         \
+        attention_bwd_##FAMILY##_d128_##RUST(BACKWARD_PARAMS(T), float* dq_accum) {                                   \
+        bwd_tc<T, MASKS>(BACKWARD_OPERANDS(T), dq_accum, a);                                                          \
+    }
 
 #define ATTENTION_TC_TYPE(T, RUST)                                                                                    \
-    ATTENTION_TC_MASKS(T, RUST, FORMULA_OR_STORED, )                                                                  \
-    ATTENTION_TC_MASKS(T, RUST, RUNS, runs_)                                                                          \
-    extern "C" __global__ void __launch_bounds__(BWD_THREADS) attention_bwd_d128_##RUST(BACKWARD_PARAMS(T),            \
-                                                                                        float* dq_accum) {             \
-        bwd_tc<T, FORMULA_OR_STORED>(BACKWARD_OPERANDS(T), dq_accum, a);                                              \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(BWD_THREADS) attention_bwd_runs_d128_##RUST(BACKWARD_PARAMS(T),       \
-                                                                                             float* dq_accum) {        \
-        bwd_tc<T, RUNS>(BACKWARD_OPERANDS(T), dq_accum, a);                                                           \
-    }                                                                                                                 \
+    ATTENTION_TC_MASKS(T, RUST, FORMULA, generated)                                                                   \
+    ATTENTION_TC_MASKS(T, RUST, RUNS, runs)                                                                           \
+    ATTENTION_TC_MASKS(T, RUST, STORED, stored)                                                                       \
     extern "C" __global__ void attention_dq_rows_d128_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {        \
         dq_rows<T, 128, 2>(dq_accum, dq, a);                                                                          \
     }                                                                                                                 \

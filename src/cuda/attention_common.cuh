@@ -111,11 +111,16 @@ struct MaskView {
             state = (c0 > i1 || c1 <= i0 - w) ? TILE_EMPTY : ((c1 <= i0 && c0 > i1 - w) ? TILE_FULL : TILE_PARTIAL);
             break;
         }
-        default:
-            state = states[b * a.mask.states_batch_stride + h * a.mask.states_head_stride + qt * a.col_tiles + kt];
+        default: return stored_tile_state(h, qt, kt);
         }
         if (state == TILE_FULL && (c0 + BK > a.n || r0 + BQ > a.m)) state = TILE_PARTIAL;
         return state;
+    }
+    // tile_state of a mask with stored tile states (documents, dense).
+    __device__ __forceinline__ uint8_t stored_tile_state(int64_t h, int64_t qt, int64_t kt) const {
+        const uint8_t state =
+            states[b * a.mask.states_batch_stride + h * a.mask.states_head_stride + qt * a.col_tiles + kt];
+        return state == TILE_FULL && ((kt + 1) * BK > a.n || (qt + 1) * BQ > a.m) ? TILE_PARTIAL : state;
     }
 
     // For a formula mask (full, causal, window): every key tile's state for query tile qt (as a
@@ -279,34 +284,39 @@ struct MaskView {
             const int2 keys = runs_seen(i, true);
             return j >= keys.x && j <= keys.y;
         }
-        case AC::MASK_DOCUMENTS: {
+        default: return stored_keeps(h, i, j);
+        }
+    }
+    // keeps of a stored mask (documents, dense), for 0 <= i < m, 0 <= j < n.
+    __device__ __forceinline__ bool stored_keeps(int64_t h, int64_t i, int64_t j) const {
+        if (a.mask.kind == AC::MASK_DOCUMENTS) {
             const int64_t* row = ids + b * a.m;
             return row[i] == row[j] && (!a.mask.doc_causal || j <= i);
         }
-        default: {
-            const int64_t* s = a.mask.dense_strides;
-            return dense[b * s[0] + h * s[1] + i * s[2] + j * s[3]] != 0;
-        }
-        }
+        const int64_t* s = a.mask.dense_strides;
+        return dense[b * s[0] + h * s[1] + i * s[2] + j * s[3]] != 0;
     }
 };
 
 // How a kernel instance reads its mask: FORMULA (full, causal and window masks, in closed form),
 // RUNS (documents whose ids form contiguous runs: MaskView's runs_*, read per position), STORED
-// (tile states and entries in memory: other documents, dense masks) or, in one instance,
-// FORMULA_OR_STORED (either of those two, by the mask's kind at run time: the portable kernels'
-// default instance). FORMULA and RUNS masks are "generated": each query sees one run of keys and
-// each key is seen by one run of queries.
-enum MaskFamily { FORMULA, RUNS, STORED, FORMULA_OR_STORED };
+// (tile states and entries in memory: other documents, dense masks). Every kernel that reads a
+// mask has an instance of each (`generated`, `runs`, `stored` in its name); the host picks by the
+// mask's kind. FORMULA and RUNS masks are "generated": each query sees one run of keys and each
+// key is seen by one run of queries.
+enum MaskFamily { FORMULA, RUNS, STORED };
 template <int MASKS> struct KernelMask {
     MaskView view;
-    __device__ __forceinline__ bool generated() const {
-        if constexpr (MASKS == FORMULA_OR_STORED) return view.generated();
-        else return MASKS != STORED;
-    }
+    __device__ __forceinline__ constexpr bool generated() const { return MASKS != STORED; }
     __device__ __forceinline__ uint8_t tile_state(int64_t h, int64_t qt, int64_t kt) const {
         if constexpr (MASKS == RUNS) return view.runs_span(qt, BQ, true).state(kt * BK, BK, view.a.n);
-        return view.tile_state(h, qt, kt);
+        else if constexpr (MASKS == STORED) return view.stored_tile_state(h, qt, kt);
+        else return view.tile_state(h, qt, kt);
+    }
+    // A generated mask's every query tile state for key tile kt (TileSpan; empty past n).
+    __device__ __forceinline__ TileSpan query_span(int64_t kt) const {
+        if constexpr (MASKS == RUNS) return view.runs_span(kt, BK, false).tiles(view.a.m);
+        else return view.formula_query_span(kt);
     }
     __device__ __forceinline__ void key_run(int64_t i, int64_t j0, int len, int& lo, int& hi) const {
         if constexpr (MASKS == RUNS) view.runs_run(i, true, j0, len, lo, hi);
@@ -325,7 +335,10 @@ template <int MASKS> struct KernelMask {
         if constexpr (MASKS == RUNS) view.runs_tiles(j_first, j_last, false, BQ, first, last);
         else view.query_tiles_of(j_first, j_last, first, last);
     }
-    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const { return view.keeps(h, i, j); }
+    __device__ __forceinline__ bool keeps(int64_t h, int64_t i, int64_t j) const {
+        if constexpr (MASKS == STORED) return i < view.a.m && j < view.a.n && view.stored_keeps(h, i, j);
+        else return view.keeps(h, i, j);
+    }
 };
 
 // The first item in (item, end) for which live(item) holds (end when none), the lanes of a warp

@@ -111,6 +111,10 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4-byte asynchronous copy global -> shared (through L1); zero-filled when `src_bytes` is 0.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 // cp_async16 that also has L2 fetch the whole 128-byte (PREFETCH 128) or 256-byte segment around
 // the source, for copies whose next stages read the bytes after it.
 template <int PREFETCH>
