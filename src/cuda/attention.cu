@@ -648,6 +648,24 @@ __device__ __forceinline__ void per_column(float (&acc)[NT][4], const float* sta
     }
 }
 
+// The same for MF x NT accumulator fragments whose rows are queries: `stats` holds the statistic
+// of the warp's first row and those after it (value(x, stat, f, nt, r)).
+template <int MF, int NT, class Value>
+__device__ __forceinline__ void per_row(float (&acc)[MF][NT][4], const float* stats, int lane, Value&& value) {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float stat = stats[16 * f + g + 8 * half];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    acc[f][nt][2 * half + e] = value(acc[f][nt][2 * half + e], stat, f, nt, 2 * half + e);
+        }
+}
+
 // dv = sum over queries of Pᵀ dO and dk = scale * sum of dSᵀ Q, per key tile, over the query tiles
 // of every query head that reads this kv head. PARTS: 1 dv, 2 dk, 3 both. MASKS: the MaskFamily of
 // the kernel instance.
@@ -891,17 +909,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
             product_abt<T, D, LD, 2, 4>(dp, sdo_, q_row, sv, s_key, lane);
             // P = exp2(S scale_log2 - lse), then zero where a partial tile's mask hides the key
             // (a separate, warp-uniform branch), then dS = P (dP - delta).
-#pragma unroll
-            for (int f = 0; f < 2; ++f)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float lse2 = row_lse2(s_lse_[q_row + 16 * f + g + 8 * half]);
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            s[f][nt][2 * half + e] = exp2f(fmaf(s[f][nt][2 * half + e], a.scale_log2, -lse2));
-                }
+            per_row(s, s_lse_ + q_row, lane,
+                    [&](float x, float lse, int, int, int) { return exp2f(fmaf(x, a.scale_log2, -row_lse2(lse))); });
             if (state != TILE_FULL) {
                 if (mask.generated()) {
 #pragma unroll
@@ -929,17 +938,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                     });
                 }
             }
-#pragma unroll
-            for (int f = 0; f < 2; ++f)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float delta = s_delta_[q_row + 16 * f + g + 8 * half];
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            dp[f][nt][2 * half + e] = s[f][nt][2 * half + e] * (dp[f][nt][2 * half + e] - delta);
-                }
+            per_row(dp, s_delta_ + q_row, lane,
+                    [&](float x, float delta, int f, int nt, int r) { return s[f][nt][r] * (x - delta); });
         } else {
             zero_fragments(s);
             zero_fragments(dp);

@@ -959,14 +959,14 @@ ATTENTION_SM90(__nv_bfloat16, bf16, 128)
         const float* delta, const __grid_constant__ TensorMap dk_map, const __grid_constant__ TensorMap dv_map,      \
         float* dq_accum, const uint8_t* states, const uint8_t* dense,                                                 \
         const int64_t* ids, AttentionArgs a) {                                                                        \
-        backward_ws<T, D, MASKS>(&q_map, &k_map, &v_map, &do_map, lse, delta, &dk_map, &dv_map, dq_accum, states, dense,    \
-                                     ids, a);                                                                         \
+        backward_ws<T, D, MASKS>(&q_map, &k_map, &v_map, &do_map, lse, delta, &dk_map, &dv_map, dq_accum, states,     \
+                                 dense, ids, a);                                                                      \
     }
 #define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
     ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, FORMULA)                                                           \
     ATTENTION_SM90_BWD_MASK(T, RUST, D, runs, RUNS) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, STORED)              \
-    extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {  \
-        dq_rows<T, D, BWD_WARPGROUPS>(dq_accum, dq, a);                                                                               \
+    extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) { \
+        dq_rows<T, D, BWD_WARPGROUPS>(dq_accum, dq, a);                                                               \
     }
 ATTENTION_SM90_BWD(__half, f16, 64)
 ATTENTION_SM90_BWD(__half, f16, 128)
