@@ -45,13 +45,6 @@ template <typename T> struct BackwardOperands {
     const int64_t* ids;
 };
 
-// The natural log-sum-exp of a row as the backward uses it: in log2 units, +inf for a row that
-// sees no key (or lies past m), so that exp2(x - it) is 0.
-__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool valid) {
-    if (!valid) return INFINITY;
-    const float l = lse[row];
-    return l == -INFINITY ? INFINITY : l * LOG2E;
-}
 
 // Issues the asynchronous copies (cp_async4) of the log-sum-exps and deltas of rows row0 ..
 // row0 + BQ - 1 of a [b, h, m] statistic into s_lse / s_delta, zeros for the rows at or past
@@ -68,9 +61,14 @@ __device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, con
         cp_async4(shared_address(s_delta + r), delta + at, valid ? 4 : 0);
     }
 }
-// A log-sum-exp from load_row_stats as the backward uses it: log2 units, +inf for a row that sees
-// no key (lse -inf), so that exp2(x - it) is 0.
+// A stored natural log-sum-exp as the backward uses it: log2 units, +inf for a row that sees no key
+// (lse -inf), so that exp2(x - it) is 0.
 __device__ __forceinline__ float row_lse2(float stored) { return stored == -INFINITY ? INFINITY : stored * LOG2E; }
+
+// row_lse2 of row `row` of `lse` read from global memory; +inf for a row past m (`valid` false).
+__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool valid) {
+    return valid ? row_lse2(lse[row]) : INFINITY;
+}
 
 // ---- Tensor-core pieces. A warp's accumulator tile of 16 rows x 8 columns holds, in lane
 // (g = lane / 4, t = lane % 4), rows g and g + 8, columns 2t and 2t + 1: element r of the four

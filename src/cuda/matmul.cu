@@ -4,7 +4,7 @@
 //   argmin_matmul:  out[b, i]    = argmin_j  scale * (a[b] . b[b])[i, j] + bias[j]
 //   span_matmul:    masked_bmm's backward products, each tile reducing over a span of k only,
 //                   the gradient operand masked as it lands (async core), 64-wide outputs on
-//                   narrow tiles (WarpPart)
+//                   narrow tiles (WarpPart), the longest spans first (span_tile)
 //
 // Three forms of the core follow: the f32 FMA kernels, the register-staged TF32 kernels (`_tc`)
 // and the async core (`_h16`, `_tf32`, `_tf32x3`: cp.async stages, see its section).
@@ -988,6 +988,32 @@ template <typename T> struct StageMask {
     }
 };
 
+// The output tile of span-product block `blk`, longest spans first. Blocks start in index order
+// and each runs as long as its span, so a grid laid out [batch][row tile][column tile] ends with a
+// few long blocks on an otherwise idle GPU: with a causal mask (spans growing one tile per tile)
+// a list-scheduling estimate leaves ~23% of the block slots idle over the grid at b = 64, 2048 x
+// 2048, two blocks an SM. Here the spanned dim's tiles are outermost (then batch, then the other
+// dim), walked from whichever end has the longer span in batch 0's spans: longest first for spans
+// that grow or shrink monotonically along the tiles (causal, either orientation; windows and
+// bands are even), and only an order, never a result, for any other mask.
+__device__ __forceinline__ TileIndex span_tile(uint64_t blk, const uint32_t* spans, const Problem& p,
+                                               const SpanArgs& sa, int64_t row_tiles, int64_t col_tiles) {
+    const int64_t spanned = sa.by_cols ? col_tiles : row_tiles, other = sa.by_cols ? row_tiles : col_tiles;
+    auto length = [&](int64_t t) {  // negative for an empty span
+        return min(int64_t(spans[2 * t + 1]) * TILE, p.k) - min(int64_t(spans[2 * t]) * TILE, p.k);
+    };
+    const bool from_end = length(spanned - 1) > length(0);
+    TileIndex tile;
+    const int64_t o = static_cast<int64_t>(blk % static_cast<uint64_t>(other));
+    const uint64_t rest = blk / static_cast<uint64_t>(other);
+    tile.batch = static_cast<int64_t>(rest % static_cast<uint64_t>(p.batch));
+    const int64_t rank = static_cast<int64_t>(rest / static_cast<uint64_t>(p.batch));
+    const int64_t s = from_end ? spanned - 1 - rank : rank;
+    tile.row_tile = sa.by_cols ? o : s;
+    tile.col_group = sa.by_cols ? s : o;
+    return tile;
+}
+
 template <typename T, int CORE>
 __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __restrict__ b,
                                             const uint32_t* __restrict__ spans, const uint8_t* __restrict__ mask,
@@ -995,7 +1021,7 @@ __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __
                                             SpanArgs sa) {
     auto& sm = staging<CORE>();
     const int64_t row_tiles = (p.m + TILE - 1) / TILE, col_tiles = (p.n + TILE - 1) / TILE;
-    const TileIndex tile(blockIdx.x, row_tiles, col_tiles);
+    const TileIndex tile = span_tile(blockIdx.x, spans, p, sa, row_tiles, col_tiles);
     const int64_t row0 = tile.row_tile * TILE, col0 = tile.col_group * TILE;
     const uint32_t* span =
         spans + tile.batch * sa.spans_batch_stride + 2 * (sa.by_cols ? tile.col_group : tile.row_tile);

@@ -34,6 +34,7 @@ static_assert(sizeof(Problem) == 96, "Problem is mirrored by a Rust #[repr(C)] s
 // Decodes block `blk` of a grid laid out as [batch][row tile][column group].
 struct TileIndex {
     int64_t batch, row_tile, col_group;
+    TileIndex() = default;
     __device__ __forceinline__ TileIndex(uint64_t blk, int64_t row_tiles, int64_t col_groups) {
         col_group = blk % col_groups;
         const uint64_t rest = blk / col_groups;
