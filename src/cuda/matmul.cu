@@ -834,6 +834,66 @@ __device__ __forceinline__ void store_tile(T* out_b, const Problem& p, int64_t r
     }
 }
 
+// The masked_bmm tile of the async core stored through shared memory: the mma layout's stores use
+// 8 of each 32-byte run of a row per instruction (half of every sector the L2 sees, which bound
+// the forward by L2 traffic), so the block parks its accumulators in the stage buffers, rounded to
+// T (rows padded to 8 mod 32 words: the 8-byte f32 and 4-byte 16-bit writes of a warp hit distinct
+// banks), and writes whole 16-byte pieces of rows. A partial tile's pieces take `fill` where the
+// mask (contiguous rows, `mask_b` at row 0) holds 0 on the way out, after the accumulators are
+// dead. Needs n * sizeof(T) a multiple of 16 and out_b 16-byte aligned. Every thread of the block
+// calls it after the product (the stage buffers are reused).
+constexpr int PARKED_ROW_BYTES = TILE * 4 + 32;  // f32: 136 words a row; 16-bit: 136 elements
+template <typename T>
+__device__ __forceinline__ void store_masked_tile_parked(T* out_b, const Problem& p, int64_t row0, int64_t col0,
+                                                         const float (&acc)[8][8], bool partial,
+                                                         const uint8_t* mask_b, float fill, AsyncStaging& sm) {
+    constexpr int ROW = sizeof(T) == 4 ? PARKED_ROW_BYTES : PARKED_ROW_BYTES / 2;  // bytes per parked row
+    static_assert(TILE * PARKED_ROW_BYTES <= sizeof(AsyncStaging), "an f32 tile fits the stage buffers");
+    uint8_t* parked = sm.a[0];
+    const AccLayout<true> at;
+    __syncthreads();  // every warp is done with the stage buffers
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int r = at.row_of(i);
+#pragma unroll
+        for (int j = 0; j < 8; j += 2)
+            from_float2<T>(reinterpret_cast<T*>(parked + r * ROW) + at.col_of(j), acc[i][j], acc[i][j + 1]);
+    }
+    __syncthreads();
+    constexpr int PIECE = 16 / sizeof(T), ROW_PIECES = TILE / PIECE;
+    const T fill_t = from_float<T>(fill);
+    for (int q = threadIdx.x; q < TILE * ROW_PIECES; q += THREADS) {
+        const int r = q / ROW_PIECES, c = (q % ROW_PIECES) * PIECE;
+        const int64_t row = row0 + r, col = col0 + c;
+        // n is a multiple of PIECE: a piece is wholly inside the row or wholly past it.
+        if (row >= p.m || col >= p.n) continue;
+        uint4 piece = *reinterpret_cast<const uint4*>(parked + r * ROW + c * sizeof(T));
+        if (partial) {
+            T* values = reinterpret_cast<T*>(&piece);
+            const uint8_t* keep = mask_b + row * p.n + col;
+#pragma unroll
+            for (int e = 0; e < PIECE; ++e)
+                if (keep[e] == 0) values[e] = fill_t;
+        }
+        *reinterpret_cast<uint4*>(out_b + row * p.n + col) = piece;
+    }
+}
+
+// `fill` over the tile at (row0, col0) in 16-byte pieces (an empty tile, where
+// store_masked_tile_parked applies: nothing to park).
+template <typename T>
+__device__ __forceinline__ void fill_tile(T* out_b, const Problem& p, int64_t row0, int64_t col0, float fill) {
+    constexpr int PIECE = 16 / sizeof(T), ROW_PIECES = TILE / PIECE;
+    uint4 piece;
+    T* values = reinterpret_cast<T*>(&piece);
+#pragma unroll
+    for (int e = 0; e < PIECE; ++e) values[e] = from_float<T>(fill);
+    for (int q = threadIdx.x; q < TILE * ROW_PIECES; q += THREADS) {
+        const int64_t row = row0 + q / ROW_PIECES, col = col0 + (q % ROW_PIECES) * PIECE;
+        if (row < p.m && col < p.n) *reinterpret_cast<uint4*>(out_b + row * p.n + col) = piece;
+    }
+}
+
 template <typename T, int CORE>
 __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __restrict__ b,
                                            const uint8_t* __restrict__ mask, const uint8_t* __restrict__ plan,
@@ -849,12 +909,25 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
         product<T, CORE>(p, a, b, tile.batch, row0, col0, acc, sm);
     }
     const uint8_t* mask_b = mask + tile.batch * mk.mask_batch_stride;
-    store_tile<T, CORE>(out + tile.batch * p.m * p.n, p, row0, col0, [&](int i, int j, int64_t row, int64_t col) {
+    auto value = [&](int i, int j, int64_t row, int64_t col) {
         if (state == EMPTY) return mk.fill;
         if (state == FULL) return acc[i][j];
         const bool keep = col < p.n && mask_b[row * p.n + col] != 0;
         return keep ? acc[i][j] : mk.fill;
-    });
+    };
+    T* out_b = out + tile.batch * p.m * p.n;
+    if constexpr (is_async<CORE>()) {
+        // Rows start on 16-byte boundaries (the output is a fresh contiguous allocation).
+        if ((p.n * int64_t(sizeof(T))) % 16 == 0) {
+            if (state == EMPTY) {
+                fill_tile<T>(out_b, p, row0, col0, mk.fill);
+            } else {
+                store_masked_tile_parked<T>(out_b, p, row0, col0, acc, state == PARTIAL, mask_b, mk.fill, sm);
+            }
+            return;
+        }
+    }
+    store_tile<T, CORE>(out_b, p, row0, col0, value);
 }
 
 // ---------------------------------------------------------------------------------------------
