@@ -1,6 +1,7 @@
 // One tiled matrix-product core, three epilogues:
 //
-//   masked_bmm:     out[b, i, j] = keep(b, i, j) ? (a[b] . b[b])[i, j] : fill
+//   masked_bmm:     out[b, i, j] = keep(b, i, j) ? (a[b] . b[b])[i, j] : fill (async core: the
+//                   tile written through shared memory in 16-byte row pieces)
 //   argmin_matmul:  out[b, i]    = argmin_j  scale * (a[b] . b[b])[i, j] + bias[j]
 //   span_matmul:    masked_bmm's backward products, each tile reducing over a span of k only,
 //                   the gradient operand masked as it lands (async core), 64-wide outputs on
