@@ -6,7 +6,7 @@
 #
 # SECTION is the bench's section filter (e.g. masked_attention); FASTOPS_BENCH_CASES, when set,
 # narrows its cases. Each binary runs with FASTOPS_BENCH_NO_BASELINE=1 (ours only), ROUNDS times;
-# rows go to OUTDIR/ab-NAME-ROUND.jsonl, and OUTDIR/ab-summary.txt gets one line per case with
+# rows go to OUTDIR/ab-NAME-ROUND.jsonl, and OUTDIR/ab-summary.txt gets one line per case and dtype with
 # every variant's medians in run order. Needs the CUDA libraries of target/gpu-bundle/libs.sh.
 set -u
 out=${1:?usage: ab-bench.sh OUTDIR ROUNDS SECTION NAME=PATH...}
@@ -47,9 +47,9 @@ for name in names:
             continue
         for line in open(path):
             row = json.loads(line)
-            table.setdefault(row["case"], {}).setdefault(name, []).append(row["median_us"])
+            table.setdefault(f'{row["case"]} {row.get("dtype", "")}'.strip(), {}).setdefault(name, []).append(row["median_us"])
 for case in sorted(table):
     cells = "  ".join(f"{n}: " + "/".join(f"{x:.0f}" for x in table[case].get(n, [])) for n in names)
-    print(f"{case:56s} {cells}")
+    print(f"{case:64s} {cells}")
 PY
 rm -rf "$work"

@@ -173,6 +173,24 @@ fn forward_batch_edges() {
     });
 }
 
+/// More tasks than the GPU has resident warps, over several column stripes, so each warp takes
+/// several tasks in each stripe. Every row is checked, so a task the walk skipped or took twice
+/// shows. The second case cuts the weight into one stripe per launch on GPUs whose L2 holds
+/// under 66 MB (the H200's 60 MiB). GPU only: the CPU path has no stripes or warps.
+#[test]
+fn forward_many_tasks_over_stripes_and_launches() {
+    for_each_device(|dev| {
+        if !dev.is_cuda() {
+            return Ok(());
+        }
+        for dtype in float_dtypes(dev) {
+            check_forward(dev, dtype, 20011, 8, 1000, 520, true, 1100)?;
+        }
+        check_forward(dev, DType::F32, 20011, 8, 130_000, 136, true, 1110)?;
+        Ok(())
+    });
+}
+
 #[test]
 fn all_padding_rows_give_the_bias() -> Result<()> {
     for_each_device(|dev| {
