@@ -864,7 +864,7 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
     mask.query_tiles_of(j0, j0 + KB - 1, qt_first, qt_last);
     auto next = [&](int64_t item) -> int64_t {
         int64_t head = item < 0 ? 0 : item >> 32, qt = item < 0 ? 0 : (item & 0xffffffffll) + 1;
-        if (mask.generated()) {
+        if constexpr (MASKS != STORED) {  // mask.generated(), as a constant
             if (qt_first > qt_last) return end;
             qt = max(qt, qt_first);
             if (qt > qt_last) {
@@ -872,17 +872,18 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                 qt = qt_first;
             }
             return head < group ? head << 32 | qt : end;
+        } else {
+            for (; head < group; ++head, qt = 0) {
+                const int64_t h = h0 + head;
+                const int64_t found = next_live(qt - 1, a.row_tiles, [&](int64_t c) {
+                    bool any = mask.tile_state(h, c, 2 * kb) != TILE_EMPTY;
+                    if (2 * kb + 1 < a.col_tiles) any |= mask.tile_state(h, c, 2 * kb + 1) != TILE_EMPTY;
+                    return any;
+                });
+                if (found < a.row_tiles) return head << 32 | found;
+            }
+            return end;
         }
-        for (; head < group; ++head, qt = 0) {
-            const int64_t h = h0 + head;
-            const int64_t found = next_live(qt - 1, a.row_tiles, [&](int64_t c) {
-                bool any = mask.tile_state(h, c, 2 * kb) != TILE_EMPTY;
-                if (2 * kb + 1 < a.col_tiles) any |= mask.tile_state(h, c, 2 * kb + 1) != TILE_EMPTY;
-                return any;
-            });
-            if (found < a.row_tiles) return head << 32 | found;
-        }
-        return end;
     };
     auto load = [&](int64_t item, int stage) {
         const int64_t h = h0 + (item >> 32), i0 = (item & 0xffffffffll) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
