@@ -346,6 +346,19 @@ __device__ __forceinline__ void pipeline_issue_after_barrier(int64_t first, int6
 constexpr int KEY_CHUNK = 32;
 constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
 
+// The forward's key chunk: a whole key tile up to D = 128, so that each Q fragment a warp reads
+// from shared memory serves 64 keys (its o and score registers, 16 MF x (D + 64), still fit), and
+// KEY_CHUNK at D = 256.
+template <int D> __host__ __device__ constexpr int forward_chunk() { return D > 128 ? KEY_CHUNK : BK; }
+
+// The word holding a bit per score of a chunk (stored masks' partial tiles).
+template <int BITS> struct KeepBits {
+    using type = uint32_t;
+};
+template <> struct KeepBits<64> {
+    using type = uint64_t;
+};
+
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
 // to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
@@ -405,12 +418,12 @@ template <typename T, int D, int MASKS> struct QueryTile {
     // row r0 of sq; sk the stage holding tile kt): s = value(q . kᵀ, f, r) entrywise for row
     // fragment f and accumulator element r, and `hidden` where the mask of a partial tile hides
     // the key.
-    template <class Value>
-    __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK_TILES][4], const T* sq, int r0, const T* sk,
+    template <int CHUNK = KEY_CHUNK, class Value>
+    __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK / 8][4], const T* sq, int r0, const T* sk,
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
-        constexpr int NT = CHUNK_TILES;
-        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * KEY_CHUNK, lane);
+        constexpr int NT = CHUNK / 8;
+        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * CHUNK, lane);
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
@@ -421,13 +434,13 @@ template <typename T, int D, int MASKS> struct QueryTile {
         // into a bit per entry first, the mask's index arithmetic is not live beside the scores.
         if (partial && mask.generated()) {
             const int g = lane >> 2, t = lane & 3;
-            const int64_t j0 = kt * BK + c * KEY_CHUNK;
+            const int64_t j0 = kt * BK + c * CHUNK;
 #pragma unroll
             for (int f = 0; f < MF; ++f)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     int lo, hi;
-                    mask.key_run(row0 + 16 * f + g + half * 8, j0, KEY_CHUNK, lo, hi);
+                    mask.key_run(row0 + 16 * f + g + half * 8, j0, CHUNK, lo, hi);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -437,13 +450,14 @@ template <typename T, int D, int MASKS> struct QueryTile {
                         }
                 }
         } else if (partial) {
-            static_assert(MF * NT * 4 <= 32, "a bit per score of the chunk in one word");
+            static_assert(MF * NT * 4 <= 64, "a bit per score of the chunk in one word");
+            using Bits = typename KeepBits<MF * NT * 4>::type;
             const int g = lane >> 2, t = lane & 3;
-            const int64_t j0 = kt * BK + c * KEY_CHUNK;
-            uint32_t keep = 0;
+            const int64_t j0 = kt * BK + c * CHUNK;
+            Bits keep = 0;
             for_each_entry<MF, NT>([&](int f, int nt, int r) {
                 if (mask.keeps(h, row0 + 16 * f + g + (r >> 1) * 8, j0 + nt * 8 + 2 * t + (r & 1)))
-                    keep |= 1u << (f * NT * 4 + nt * 4 + r);
+                    keep |= Bits(1) << (f * NT * 4 + nt * 4 + r);
             });
             for_each_entry<MF, NT>([&](int f, int nt, int r) {
                 if (!(keep >> (f * NT * 4 + nt * 4 + r) & 1u)) s[f][nt][r] = hidden;
@@ -460,7 +474,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
     // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
     // tiles each) and calls chunk(kt, c, partial, k_tile, v_tile) for every chunk c of the tiles
     // this warp's rows need (partial: whether the mask must be read).
-    template <int S, class Chunk>
+    template <int S, int CHUNK = KEY_CHUNK, class Chunk>
     __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
         constexpr int E = tile_elements<T, D>();
         auto step = [&](int64_t kt) { return next(kt); };
@@ -468,8 +482,8 @@ template <typename T, int D, int MASKS> struct QueryTile {
         auto work = [&](int64_t kt, int stage) {
             const uint8_t state = warp_state(kt);
             if (state == TILE_EMPTY) return;
-#pragma unroll(D > 64 ? 1 : BK / KEY_CHUNK)
-            for (int c = 0; c < BK / KEY_CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
+#pragma unroll(D > 64 ? 1 : BK / CHUNK)
+            for (int c = 0; c < BK / CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
         };
         pipeline<S>(next(-1), a.col_tiles, step, load, work);
     }
@@ -480,7 +494,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
-    constexpr int MF = query_tiles<D>();
+    constexpr int MF = query_tiles<D>(), CHUNK = forward_chunk<D>(), NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
     T* sk = sq + MF * E;                        // S stages
@@ -501,11 +515,12 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             row_sum[f][half] = 0.f;
         }
 
-    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
-            float s[MF][CHUNK_TILES][4];
+    tile.template for_each_key_chunk<S, CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile,
+                                                          const T* v_tile) {
+            float s[MF][NT][4];
             // Raw scores q . k: scale_log2 > 0 (the host makes it so), so the row maxima scale
             // with it and the exponents take it in one multiply-add.
-            tile.chunk_scores(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
+            tile.template chunk_scores<CHUNK>(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                               [&](float x, int, int) { return x; }, -INFINITY);
             // The reference of a row's exponents (row_max, log2 units) moves only when a score
             // passes it by more than RESCALE_SLACK, so most chunks leave o unscaled (one
@@ -516,7 +531,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             for (int f = 0; f < MF; ++f) {
                 float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) tile_max[r >> 1] = fmaxf(tile_max[r >> 1], s[f][nt][r]);
                 float base[2];
@@ -531,7 +546,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                     row_sum[f][half] *= alpha[f][half];
                 }
 #pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const float p = exp2f(fmaf(s[f][nt][r], a.scale_log2, -base[r >> 1]));
@@ -547,10 +562,10 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 #pragma unroll
                         for (int r = 0; r < 4; ++r) o[f][nt][r] *= alpha[f][r >> 1];
             }
-            uint32_t p[MF][CHUNK_STEPS][4];
+            uint32_t p[MF][CHUNK / 16][4];
 #pragma unroll
-            for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK_STEPS>(p[f], s[f]);
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(o, p, v_tile, c * KEY_CHUNK, lane);
+            for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK / 16>(p[f], s[f]);
+            product_pb<T, D, LD, MF, CHUNK / 16>(o, p, v_tile, c * CHUNK, lane);
     });
 
 #pragma unroll
@@ -572,7 +587,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
-    constexpr int MF = query_tiles<D>();
+    constexpr int MF = query_tiles<D>(), CHUNK = forward_chunk<D>(), NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
     T* sdo = sq + MF * E;                       // MF tiles
