@@ -4,8 +4,8 @@
 //
 // Tensor-core kernels (f16 / bf16 operands, f32 accumulation and softmax statistics, mma.sync
 // m16n8k16, sm_80 and up): a block of WARPS warps takes query_tiles<D>() mask tiles of 64 queries
-// (forward, dq; a warp 16 or 32 rows of them, in key chunks of 32) or one tile of 64 keys (dk / dv;
-// a warp 16 keys). Head dims are padded with zeros to D (64, 128 or 256) in
+// (forward, dq; a warp 16 or 32 rows of them, in key chunks of forward_chunk<D>() / KEY_CHUNK) or
+// one tile of 64 keys (dk / dv; a warp 16 keys). Head dims are padded with zeros to D (64, 128 or 256) in
 // shared memory; the host pads the operands to a multiple of 8 and needs unit column strides and
 // 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
 // their products (as FlashAttention does); everything else stays f32.
