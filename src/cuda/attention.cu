@@ -351,6 +351,11 @@ constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
 // KEY_CHUNK at D = 256.
 template <int D> __host__ __device__ constexpr int forward_chunk() { return D > 128 ? KEY_CHUNK : BK; }
 
+// The dq kernel's key chunk: a whole key tile at D = 64, where the S and dP registers of a whole
+// tile fit beside dq's, KEY_CHUNK above. (dk / dv keep KEY_CHUNK queries a chunk: a whole tile
+// there takes them from 168 to 231 registers at D = 64, and measured slower.)
+template <int D> __host__ __device__ constexpr int dq_chunk() { return D > 64 ? KEY_CHUNK : BK; }
+
 // The word holding a bit per score of a chunk (stored masks' partial tiles).
 template <int BITS> struct KeepBits {
     using type = uint32_t;
@@ -587,7 +592,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
-    constexpr int MF = query_tiles<D>(), CHUNK = forward_chunk<D>(), NT = CHUNK / 8;
+    constexpr int MF = query_tiles<D>(), CHUNK = dq_chunk<D>(), NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
     T* sdo = sq + MF * E;                       // MF tiles
@@ -622,26 +627,26 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
     float acc[MF][D / 8][4];
     zero_fragments(acc);
 
-    tile.template for_each_key_chunk<S>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
+    tile.template for_each_key_chunk<S, CHUNK>(sk, sv, [&](int64_t kt, int c, bool partial, const T* k_tile, const T* v_tile) {
             // The probabilities: exp2(x * scale_log2 - lse), 0 where hidden.
-            float s[MF][CHUNK_TILES][4], dp[MF][CHUNK_TILES][4];
-            tile.chunk_scores(
+            float s[MF][NT][4], dp[MF][NT][4];
+            tile.template chunk_scores<CHUNK>(
                 s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                 [&](float x, int f, int r) { return exp2f(fmaf(x, a.scale_log2, -row_lse[f][r >> 1])); }, 0.f);
-            product_abt<T, D, LD, MF, CHUNK_TILES>(dp, sdo, warp * 16 * MF, v_tile, c * KEY_CHUNK, lane);
-            uint32_t ds[MF][CHUNK_STEPS][4];
+            product_abt<T, D, LD, MF, NT>(dp, sdo, warp * 16 * MF, v_tile, c * CHUNK, lane);
+            uint32_t ds[MF][CHUNK / 16][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
 #pragma unroll
-                for (int nt = 0; nt < CHUNK_TILES; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const float p = s[f][nt][r];
                         s[f][nt][r] = p * (dp[f][nt][r] - row_delta[f][r >> 1]);
                     }
-                to_a_fragments<T, CHUNK_STEPS>(ds[f], s[f]);
+                to_a_fragments<T, CHUNK / 16>(ds[f], s[f]);
             }
-            product_pb<T, D, LD, MF, CHUNK_STEPS>(acc, ds, k_tile, c * KEY_CHUNK, lane);
+            product_pb<T, D, LD, MF, CHUNK / 16>(acc, ds, k_tile, c * CHUNK, lane);
     });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
