@@ -1094,6 +1094,7 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             ("window 1024", 8192, 128),
             ("documents 1024 causal", 8192, 128),
             ("causal", 4096, 64),
+            ("causal", 4096, 256),
         ]
     } else {
         &[("causal", 1024, 64)]

@@ -4,9 +4,9 @@
 //
 // Tensor-core kernels (f16 / bf16 operands, f32 accumulation and softmax statistics, mma.sync
 // m16n8k16, sm_80 and up): a block of WARPS warps takes query_tiles<D>() mask tiles of 64 queries
-// (forward, dq; a warp 16 or 32 rows of them, in key chunks of forward_chunk<D>() / KEY_CHUNK) or
-// one tile of 64 keys (dk / dv; a warp 16 keys). Head dims are padded with zeros to D (64, 128 or 256) in
-// shared memory; the host pads the operands to a multiple of 8 and needs unit column strides and
+// (forward, dq; a warp 16 or 32 rows of them, in key chunks of FORWARD_CHUNK / dq_chunk<D>()) or
+// one tile of 64 keys (dk / dv; a warp 16 keys). Head dims are padded with zeros to D (64, 128 or
+// 256) in shared memory; the host pads the operands to a multiple of 8 and needs unit column strides and
 // 16-byte aligned rows. Probabilities and score gradients are rounded to the operand type before
 // their products (as FlashAttention does); everything else stays f32.
 // f32 kernels: a warp per query or key row, exact f32 FMA (no tensor cores).
@@ -346,10 +346,9 @@ __device__ __forceinline__ void pipeline_issue_after_barrier(int64_t first, int6
 constexpr int KEY_CHUNK = 32;
 constexpr int CHUNK_TILES = KEY_CHUNK / 8, CHUNK_STEPS = KEY_CHUNK / 16;
 
-// The forward's key chunk: a whole key tile up to D = 128, so that each Q fragment a warp reads
-// from shared memory serves 64 keys (its o and score registers, 16 MF x (D + 64), still fit), and
-// KEY_CHUNK at D = 256.
-template <int D> __host__ __device__ constexpr int forward_chunk() { return D > 128 ? KEY_CHUNK : BK; }
+// The forward's key chunk: the whole key tile, so that each Q fragment a warp reads from shared
+// memory serves 64 keys (its o and score registers, 16 MF x (D + 64), still fit at every D).
+constexpr int FORWARD_CHUNK = BK;
 
 // The dq kernel's key chunk: a whole key tile at D = 64, where the S and dP registers of a whole
 // tile fit beside dq's, KEY_CHUNK above. (dk / dv keep KEY_CHUNK queries a chunk: a whole tile
@@ -499,7 +498,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
     constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
-    constexpr int MF = query_tiles<D>(), CHUNK = forward_chunk<D>(), NT = CHUNK / 8;
+    constexpr int MF = query_tiles<D>(), CHUNK = FORWARD_CHUNK, NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
     T* sk = sq + MF * E;                        // S stages
