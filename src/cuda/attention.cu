@@ -355,11 +355,11 @@ constexpr int FORWARD_CHUNK = BK;
 // there takes them from 168 to 231 registers at D = 64, and measured slower.)
 template <int D> __host__ __device__ constexpr int dq_chunk() { return D > 64 ? KEY_CHUNK : BK; }
 
-// The word holding a bit per score of a chunk (stored masks' partial tiles).
-template <int BITS> struct KeepBits {
+// The word holding a bit per score of a chunk (stored masks' partial tiles): 32 or 64 bits.
+template <bool WIDE> struct KeepWord {
     using type = uint32_t;
 };
-template <> struct KeepBits<64> {
+template <> struct KeepWord<true> {
     using type = uint64_t;
 };
 
@@ -422,7 +422,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
     // row r0 of sq; sk the stage holding tile kt): s = value(q . kᵀ, f, r) entrywise for row
     // fragment f and accumulator element r, and `hidden` where the mask of a partial tile hides
     // the key.
-    template <int CHUNK = KEY_CHUNK, class Value>
+    template <int CHUNK, class Value>
     __device__ __forceinline__ void chunk_scores(float (&s)[MF][CHUNK / 8][4], const T* sq, int r0, const T* sk,
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
@@ -455,7 +455,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
                 }
         } else if (partial) {
             static_assert(MF * NT * 4 <= 64, "a bit per score of the chunk in one word");
-            using Bits = typename KeepBits<MF * NT * 4>::type;
+            using Bits = typename KeepWord<(MF * NT * 4 > 32)>::type;
             const int g = lane >> 2, t = lane & 3;
             const int64_t j0 = kt * BK + c * CHUNK;
             Bits keep = 0;
@@ -478,7 +478,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
     // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
     // tiles each) and calls chunk(kt, c, partial, k_tile, v_tile) for every chunk c of the tiles
     // this warp's rows need (partial: whether the mask must be read).
-    template <int S, int CHUNK = KEY_CHUNK, class Chunk>
+    template <int S, int CHUNK, class Chunk>
     __device__ __forceinline__ void for_each_key_chunk(T* sk, T* sv, Chunk&& chunk) const {
         constexpr int E = tile_elements<T, D>();
         auto step = [&](int64_t kt) { return next(kt); };
@@ -525,7 +525,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             // Raw scores q . k: scale_log2 > 0 (the host makes it so), so the row maxima scale
             // with it and the exponents take it in one multiply-add.
             tile.template chunk_scores<CHUNK>(s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
-                              [&](float x, int, int) { return x; }, -INFINITY);
+                                              [&](float x, int, int) { return x; }, -INFINITY);
             // The reference of a row's exponents (row_max, log2 units) moves only when a score
             // passes it by more than RESCALE_SLACK, so most chunks leave o unscaled (one
             // warp-uniform test).
