@@ -130,6 +130,9 @@ pub mod attention {
     pub const ROW_PAD: usize = 8;
     /// Warps per block of the f32 kernels (a warp per query or key row).
     pub const ROW_WARPS: usize = 8;
+    /// Steps of rows a warp of the delta pass reads at once (each step 32 / lanes rows, a row
+    /// read by the power of two >= dv / 8 lanes).
+    pub const DELTA_STEPS: usize = 4;
     /// The one-pass tensor-core backward (head tile 128): keys per block and warps per block
     /// (each warp 32 queries x 32 keys of S and dP, 32 keys x 64 head columns of dK / dV).
     pub const ONE_PASS_KEYS: usize = 128;

@@ -439,14 +439,24 @@ impl Path {
                     Pass::Dkdv => p.batch * p.kv_heads * p.n,
                     _ => p.batch * p.heads * p.m,
                 };
+                let rows_per_warp = match pass {
+                    Pass::Delta => delta_rows_per_warp(p.dv),
+                    _ => 1,
+                };
                 LaunchConfig {
-                    grid_dim: (rows.div_ceil(ROW_WARPS) as u32, 1, 1),
+                    grid_dim: (rows.div_ceil(ROW_WARPS * rows_per_warp) as u32, 1, 1),
                     block_dim: ((ROW_WARPS * 32) as u32, 1, 1),
                     shared_mem_bytes,
                 }
             }
         }
     }
+}
+
+/// Rows a warp of the delta pass covers (`delta_rows` in attention.cu): a row is read 16 bytes a
+/// lane by the power of two >= dv / 8 lanes, DELTA_STEPS steps of 32 / lanes rows at once.
+fn delta_rows_per_warp(dv: usize) -> usize {
+    32 / (dv / 8).max(1).next_power_of_two() * C::DELTA_STEPS
 }
 
 /// Which forward kernels run on compute capability 9.0: `CANDLE_FASTOPS_ATTENTION_KERNELS=portable`

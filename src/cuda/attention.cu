@@ -1043,25 +1043,44 @@ __device__ __forceinline__ float dot(const float (&x)[PER_LANE], const float (&y
     return warp_sum(s);
 }
 
-// delta = rowsum(dO * O) in f32, for the Hopper backward: a warp per row of the contiguous
-// [b * h * m, dv] out and grad_out (rows 16-byte aligned), a lane per 8 columns of every 256.
+// delta = rowsum(dO * O) in f32, for the Hopper and one-pass backwards: out and grad_out are
+// contiguous [b * h * m, dv] (dv a multiple of 8 up to 256, rows 16-byte aligned). A row is read
+// 16 bytes a lane by `lanes` lanes (the power of two >= dv / 8), so a warp covers 32 / lanes rows
+// a step; it takes DELTA_STEPS steps at once, every load issued before the first sum, and walks
+// the rows grid-strided (any grid is correct; the host sizes it by delta_rows_per_warp).
 template <typename T>
 __device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const AttentionArgs& a) {
-    const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
-    if (row >= a.batch * a.heads * a.m) return;
-    const T* o_row = ops.out + row * a.dv;
-    const T* g_row = ops.grad_out + row * a.dv;
-    float sum = 0.f;
-    for (int64_t col = 8 * lane; col < a.dv; col += 256) {
-        const uint4 o8 = *reinterpret_cast<const uint4*>(o_row + col), g8 = *reinterpret_cast<const uint4*>(g_row + col);
-        const T* o_half = reinterpret_cast<const T*>(&o8);
-        const T* g_half = reinterpret_cast<const T*>(&g8);
+    constexpr int STEPS = AC::DELTA_STEPS;
+    const int lane = threadIdx.x & 31, chunks = static_cast<int>(a.dv / 8);
+    int lanes = 1;
+    while (lanes < chunks) lanes *= 2;
+    const int per_step = 32 / lanes, sub = lane / lanes, chunk = lane % lanes;
+    const int64_t rows = a.batch * a.heads * a.m, per_warp = static_cast<int64_t>(per_step) * STEPS;
+    const int64_t warp = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * ROW_WARPS * per_warp;
+    for (int64_t first = warp * per_warp; first < rows; first += stride) {
+        uint4 o8[STEPS], g8[STEPS];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_half[e]), to_float(g_half[e]), sum);
+        for (int s = 0; s < STEPS; ++s) {
+            const int64_t row = first + s * per_step + sub;
+            o8[s] = g8[s] = make_uint4(0, 0, 0, 0);  // zero bits: 0 in f16 and bf16
+            if (row < rows && chunk < chunks) {
+                o8[s] = *reinterpret_cast<const uint4*>(ops.out + row * a.dv + 8 * chunk);
+                g8[s] = *reinterpret_cast<const uint4*>(ops.grad_out + row * a.dv + 8 * chunk);
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            const T* o_half = reinterpret_cast<const T*>(&o8[s]);
+            const T* g_half = reinterpret_cast<const T*>(&g8[s]);
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_half[e]), to_float(g_half[e]), sum);
+            for (int offset = lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            const int64_t row = first + s * per_step + sub;
+            if (chunk == 0 && row < rows) ops.delta[row] = sum;
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) ops.delta[row] = sum;
 }
 
 template <typename T>
