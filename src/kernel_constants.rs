@@ -130,6 +130,9 @@ pub mod attention {
     pub const ROW_PAD: usize = 8;
     /// Warps per block of the f32 kernels (a warp per query or key row).
     pub const ROW_WARPS: usize = 8;
+    /// Threads per block of the kernels that turn the atomic backwards' f32 dq sum into dq
+    /// (`dq_rows`: a block per query tile and column block).
+    pub const DQ_ROWS_THREADS: usize = 256;
     /// Steps of rows a warp of the delta pass reads at once (each step 32 / lanes rows, a row
     /// read by the power of two >= dv / 8 lanes).
     pub const DELTA_STEPS: usize = 4;

@@ -876,20 +876,22 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     // dq = scale * dq_accum, from the fragment order the atomic backwards add in (dq_fragment in
     // attention_common.cuh), by the module's attention_dq_rows kernel `name`.
-    let dq_from_accum = |module: Module, name: &str, acc: &CudaSlice<f32>, head_tile: usize| {
+    let dq_from_accum = |module: Module, name: &str, acc: &CudaSlice<f32>| {
         let kernel = Kernel::load_typed::<T>(dev, module, &[name])?;
-        let threads = p.batch * p.heads * padded_m * head_tile / 4;
-        if threads == 0 {
+        // A block per (query tile, column block of head_tile / 2) unit, grid-strided.
+        let units = p.batch * p.heads * (padded_m / TILE_Q) * 2;
+        if units == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(256).min(1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: (units.min(1 << 16) as u32, 1, 1),
+            block_dim: (C::DQ_ROWS_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `attention_dq_rows_*(dq_accum, dq, args)`; the kernel
-        // reads all of dq_accum (float4 at a time; b * h * padded_m * head_tile f32) and writes
-        // rows below m and columns below d of dq ([b, h, m, d], contiguous).
+        // reads all of dq_accum (float4 at a time; b * h * padded_m * head_tile f32, two column
+        // blocks a query tile) and writes rows below m and columns below d of dq ([b, h, m, d],
+        // contiguous, rows 16-byte aligned: d is a multiple of 8).
         unsafe {
             kernel.launch(cfg, |a_| {
                 a_.arg(acc).arg(&dq).arg(&a);
@@ -933,7 +935,6 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 Module::AttentionSm90,
                 &format!("attention_dq_rows_sm90_d{head_tile}"),
                 acc,
-                *head_tile,
             )?;
         }
     } else if one_pass {
@@ -971,12 +972,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
                     args.arg(&a).arg(&acc);
                 })?;
             }
-            dq_from_accum(
-                Module::Attention,
-                "attention_dq_rows_d128",
-                &acc,
-                ONE_PASS_HEAD_TILE,
-            )?;
+            dq_from_accum(Module::Attention, "attention_dq_rows_d128", &acc)?;
             drop((dk_guard, dv_guard)); // every launch is queued
             return Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)));
         }

@@ -1260,7 +1260,8 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
     ATTENTION_TC_MASKS(T, RUST, FORMULA, generated)                                                                   \
     ATTENTION_TC_MASKS(T, RUST, RUNS, runs)                                                                           \
     ATTENTION_TC_MASKS(T, RUST, STORED, stored)                                                                       \
-    extern "C" __global__ void attention_dq_rows_d128_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {        \
+    extern "C" __global__ void __launch_bounds__(AC::DQ_ROWS_THREADS)                                               \
+        attention_dq_rows_d128_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {                               \
         dq_rows<T, 128, 2>(dq_accum, dq, a);                                                                          \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_delta_##RUST(BACKWARD_PARAMS(T)) {     \

@@ -381,22 +381,38 @@ __device__ __forceinline__ float4* dq_fragment(float4* dq_accum, int64_t bh_tile
     return dq_accum + ((block * (BQ / 16) + row16) * (COLS / 8) + col8 % (COLS / 8)) * 32 + lane;
 }
 
-// dq = scale * dq_accum (T [b, h, m, d], contiguous) from that layout: a thread per float4.
+// dq = scale * dq_accum (T [b, h, m, d], contiguous, rows 16-byte aligned) from that layout. A
+// block of DQ_ROWS_THREADS threads per (query tile, column block) unit, grid-strided: it reads the
+// unit's float4 in order (coalesced), parks the scaled values as T in a row-major shared tile, then
+// writes whole 16-byte pieces of rows (rows below m, columns below d), so that every 32-byte sector
+// of dq is written by one instruction.
 template <typename T, int D, int COL_BLOCKS>
 __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* __restrict__ dq, const AttentionArgs& a) {
-    constexpr int COLS = D / COL_BLOCKS, PER_BLOCK = BQ / 16 * COLS / 8 * 32;  // float4 per column block
-    const int64_t total = a.batch * a.heads * a.row_tiles * COL_BLOCKS * PER_BLOCK;
-    for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
-         index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t block = index / PER_BLOCK, col_block = block % COL_BLOCKS, tile = block / COL_BLOCKS;
-        const int within = static_cast<int>(index % PER_BLOCK), lane = within % 32, fragment = within / 32;
-        const int row16 = fragment / (COLS / 8), nt = fragment % (COLS / 8), g = lane / 4, t = lane % 4;
-        const int64_t bh = tile / a.row_tiles, row = (tile % a.row_tiles) * BQ + row16 * 16 + g;
-        const int64_t col = col_block * COLS + nt * 8 + 2 * t;
-        if (col >= a.d) continue;
-        const float4 x = dq_accum[index];
-        if (row < a.m) fastops::from_float2<T>(dq + (bh * a.m + row) * a.d + col, x.x * a.scale, x.y * a.scale);
-        if (row + 8 < a.m) fastops::from_float2<T>(dq + (bh * a.m + row + 8) * a.d + col, x.z * a.scale, x.w * a.scale);
+    constexpr int THREADS = AC::DQ_ROWS_THREADS, COLS = D / COL_BLOCKS, PER_BLOCK = BQ / 16 * COLS / 8 * 32;
+    constexpr int LD = COLS + 8, PIECES = BQ * COLS / 8;  // shared row stride (elements); 16-byte pieces
+    static_assert(PER_BLOCK % THREADS == 0 && COLS % 8 == 0, "whole float4 rounds and 16-byte pieces");
+    __shared__ __align__(16) T tile[BQ * LD];
+    const int64_t units = a.batch * a.heads * a.row_tiles * COL_BLOCKS;
+    for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+        const int64_t bh_tile = unit / COL_BLOCKS, bh = bh_tile / a.row_tiles, row0 = (bh_tile % a.row_tiles) * BQ;
+        const int64_t col0 = (unit % COL_BLOCKS) * COLS;
+        const float4* src = dq_accum + unit * PER_BLOCK;
+#pragma unroll
+        for (int k = 0; k < PER_BLOCK / THREADS; ++k) {
+            const int within = k * THREADS + static_cast<int>(threadIdx.x), lane = within % 32, fragment = within / 32;
+            const int row = fragment / (COLS / 8) * 16 + lane / 4, col = fragment % (COLS / 8) * 8 + 2 * (lane % 4);
+            const float4 x = src[within];
+            fastops::from_float2<T>(tile + row * LD + col, x.x * a.scale, x.y * a.scale);
+            fastops::from_float2<T>(tile + (row + 8) * LD + col, x.z * a.scale, x.w * a.scale);
+        }
+        __syncthreads();
+        for (int piece = threadIdx.x; piece < PIECES; piece += THREADS) {
+            const int row = piece / (COLS / 8), col = piece % (COLS / 8) * 8;
+            if (row0 + row < a.m && col0 + col < a.d)
+                *reinterpret_cast<uint4*>(dq + (bh * a.m + row0 + row) * a.d + col0 + col) =
+                    *reinterpret_cast<const uint4*>(tile + row * LD + col);
+        }
+        __syncthreads();  // the tile is free for the next unit
     }
 }
 

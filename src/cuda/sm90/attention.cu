@@ -965,7 +965,8 @@ ATTENTION_SM90(__nv_bfloat16, bf16, 128)
 #define ATTENTION_SM90_BWD(T, RUST, D)                                                                                \
     ATTENTION_SM90_BWD_MASK(T, RUST, D, generated, FORMULA)                                                           \
     ATTENTION_SM90_BWD_MASK(T, RUST, D, runs, RUNS) ATTENTION_SM90_BWD_MASK(T, RUST, D, stored, STORED)              \
-    extern "C" __global__ void attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) { \
+    extern "C" __global__ void __launch_bounds__(AC::DQ_ROWS_THREADS)                                               \
+        attention_dq_rows_sm90_d##D##_##RUST(const float4* dq_accum, T* dq, AttentionArgs a) {                        \
         dq_rows<T, D, BWD_WARPGROUPS>(dq_accum, dq, a);                                                               \
     }
 ATTENTION_SM90_BWD(__half, f16, 64)
