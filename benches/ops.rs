@@ -1213,6 +1213,45 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             )?;
         }
     }
+    // One packed projection [b, n, 3 h, d] (causal): masked_attention_packed, whose gradient is
+    // the projection's, against masked_attention on narrow + transpose views of it, whose
+    // gradients go back through candle's narrow (a zero-padded full-size tensor each).
+    let (n, d) = if gpu { (4096, 128) } else { (1024, 64) };
+    let case = format!("causal b={batch} h={heads} n={n} d={d} packed qkv");
+    if b.wants_case(&case) {
+        if gpu {
+            b.iterations = Some((5, 20));
+        }
+        let qkv = candle_core::Var::from_tensor(&randn(&[batch, n, 3 * heads, d], dtype, &dev)?)?;
+        let mask = AttentionMask::causal();
+        let options = candle_fastops::AttentionOptions::default();
+        let visible_pairs = n * (n + 1) / 2;
+        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
+        b.compare(
+            OP,
+            &format!("{case} fwd+bwd"),
+            dtype,
+            Work::Flops(3.5 * flops),
+            || {
+                candle_fastops::masked_attention_packed(&qkv, heads, &mask, &options)?
+                    .backward()
+                    .map(drop)
+            },
+            "masked_attention on narrow views, fwd+bwd",
+            || {
+                let part = |i: usize| qkv.narrow(2, i * heads, heads)?.transpose(1, 2);
+                candle_fastops::masked_attention_with(
+                    &part(0)?,
+                    &part(1)?,
+                    &part(2)?,
+                    &mask,
+                    &options,
+                )?
+                .backward()
+                .map(drop)
+            },
+        )?;
+    }
     b.iterations = None;
     Ok(())
 }

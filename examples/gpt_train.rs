@@ -15,7 +15,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
-use candle_fastops::{masked_attention, AttentionMask};
+use candle_fastops::{masked_attention_packed, AttentionMask, AttentionOptions};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use std::time::Instant;
 
@@ -190,32 +190,25 @@ impl Gpt {
         let d = x.dim(2)?;
         let dh = d / self.heads;
         for blk in &self.blocks {
-            // q, k, v as strided views of one packed projection [b, t, 3, heads, dh].
-            let qkv = blk
-                .qkv
-                .forward(&blk.norm1.forward(&x)?)?
-                .reshape((b, t, 3, self.heads, dh))?;
+            // One packed projection [b, t, 3 heads, dh] (queries, keys, values): attention reads
+            // its parts in place, and its gradient comes back as one tensor of that shape.
             // Attention in bf16 on the tensor cores of a GPU, in f32 on the CPU.
             let dtype = if x.device().is_cuda() {
                 DType::BF16
             } else {
                 DType::F32
             };
-            let part = |i: usize| -> Result<Tensor> {
-                Ok(qkv
-                    .narrow(2, i, 1)?
-                    .squeeze(2)?
-                    .transpose(1, 2)?
-                    .to_dtype(dtype)?)
+            let qkv = blk
+                .qkv
+                .forward(&blk.norm1.forward(&x)?)?
+                .reshape((b, t, 3 * self.heads, dh))?
+                .to_dtype(dtype)?;
+            let options = AttentionOptions {
+                scale: Some(1.0 / (dh as f64).sqrt()),
+                ..Default::default()
             };
-            let att = masked_attention(
-                &part(0)?,
-                &part(1)?,
-                &part(2)?,
-                mask,
-                1.0 / (dh as f64).sqrt(),
-            )?
-            .to_dtype(DType::F32)?;
+            let att =
+                masked_attention_packed(&qkv, self.heads, mask, &options)?.to_dtype(DType::F32)?;
             let att = att.transpose(1, 2)?.reshape((b, t, d))?;
             x = (x + blk.proj.forward(&att)?)?;
             let h = blk.up.forward(&blk.norm2.forward(&x)?)?.gelu()?;

@@ -763,6 +763,85 @@ pub(super) struct BackwardInputs<'a> {
     pub lse: &'a Tensor,
 }
 
+/// Mirrors `PackHeadsArgs` in `src/cuda/attention_common.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PackHeadsArgs {
+    batch: i64,
+    n: i64,
+    heads: i64,
+    kv_heads: i64,
+    d: i64,
+}
+// Mirrored by `PackHeadsArgs` in src/cuda/attention_common.cuh.
+mirrored_struct!(PackHeadsArgs, 40, kernel_arg);
+
+/// The gradient of `masked_attention_packed`'s input, `[b, n, heads + 2 kv_heads, d]`, from dq
+/// `[b, heads, n, d]` and dk, dv `[b, kv_heads, n, d]` (contiguous, as [`backward`] gives them;
+/// `d` elements a whole number of 16-byte chunks) in one pass.
+pub(super) fn pack_heads(p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor) -> Result<Tensor> {
+    with_float_cuda_type!(OP, dq.dtype(), T => pack_heads_typed::<T>(p, dq, dk, dv))
+}
+
+fn pack_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
+    p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor,
+) -> Result<Tensor> {
+    let total = p.heads + 2 * p.kv_heads;
+    let shape = (p.batch, p.n, total, p.d);
+    let chunk = 16 / T::DTYPE.size_in_bytes();
+    let parts = [(dq, p.heads), (dk, p.kv_heads), (dv, p.kv_heads)];
+    if p.m != p.n
+        || !p.d.is_multiple_of(chunk)
+        || parts
+            .iter()
+            .any(|(t, h)| !t.is_contiguous() || t.dims() != [p.batch, *h, p.n, p.d])
+    {
+        bail!(
+            "{OP}: internal error, gradients {:?}, {:?}, {:?} do not pack into {shape:?}",
+            dq.dims(),
+            dk.dims(),
+            dv.dims()
+        );
+    }
+    let candle_core::Device::Cuda(dev) = dq.device() else {
+        bail!("{OP}: internal error, the CUDA pack got CPU tensors");
+    };
+    let (hq, hk, hv) = (Held::new(dq), Held::new(dk), Held::new(dv));
+    let (qv, kv, vv) = (hq.view::<T>()?, hk.view::<T>()?, hv.view::<T>()?);
+    let out = alloc_output::<T>(dev, p.batch * p.n * total * p.d)?;
+    let rows = p.batch * p.n;
+    if rows > 0 && total * p.d > 0 {
+        let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_pack_heads"])?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.min(1 << 16) as u32, 1, 1),
+            block_dim: (C::PACK_HEADS_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = PackHeadsArgs {
+            batch: p.batch as i64,
+            n: p.n as i64,
+            heads: p.heads as i64,
+            kv_heads: p.kv_heads as i64,
+            d: p.d as i64,
+        };
+        // SAFETY: the arguments match `attention_pack_heads_*(dq, dk, dv, out, args)`. The kernel
+        // reads the rows of the three contiguous gradients (shapes checked above; fresh buffers,
+        // 16-byte aligned, d a whole number of chunks) and writes every 16-byte chunk of `out`
+        // ([b, n, heads + 2 kv_heads, d], contiguous), a block per row of it.
+        unsafe {
+            kernel.launch(cfg, |a_| {
+                a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(&args);
+            })?;
+        }
+    }
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
 /// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
 pub(super) fn backward(
     p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>,

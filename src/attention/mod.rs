@@ -118,6 +118,164 @@ pub fn masked_attention_with_lse(
     Ok((out, lse.to_dtype(DType::F32)?))
 }
 
+/// Attention over one packed projection: `qkv` `[batch, n, heads + 2 * kv_heads, d]` holds the
+/// query heads, then the key heads, then the value heads of each token (a `[batch, n, 3, heads,
+/// d]` projection is `qkv.reshape((batch, n, 3 * heads, d))`, with `kv_heads = heads`). The
+/// result is that of [`masked_attention_with`] on the three parts as `[batch, heads, n, d]` views
+/// (self-attention: m = n), `[batch, heads, n, d]` in the dtype of `qkv`.
+///
+/// The difference is the backward: the op's one input is `qkv`, so its gradient is one
+/// `[batch, n, heads + 2 * kv_heads, d]` tensor, assembled from dq, dk and dv in one pass on
+/// CUDA (two copies on the CPU).
+/// Views taken with candle ops (`narrow`, `transpose`) instead each send a full-size padded
+/// gradient (`narrow`'s backward) and several zero-filled sums through candle's backprop.
+/// Where the kernels cannot read the parts in place (on CUDA: a head dim that is not a multiple
+/// of 8, a negative scale, 16-bit rows off 16-byte boundaries), this computes exactly that view
+/// form instead: same results, the slower backward.
+///
+/// Errors: `qkv` not rank 4, `kv_heads` 0, or a head count that is not `heads + 2 * kv_heads`
+/// with `heads` a positive multiple of `kv_heads`; and every error of [`masked_attention`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fastops::{masked_attention_packed, AttentionMask, AttentionOptions};
+/// let dev = Device::Cpu;
+/// // batch 1, 6 tokens, 2 query heads and 1 key / value head of dim 8.
+/// let qkv = Tensor::randn(0f32, 1., (1, 6, 2 + 2 * 1, 8), &dev)?;
+/// let out = masked_attention_packed(&qkv, 1, &AttentionMask::causal(), &AttentionOptions::default())?;
+/// assert_eq!(out.dims(), &[1, 2, 6, 8]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention_packed(
+    qkv: &Tensor, kv_heads: usize, mask: &AttentionMask, options: &AttentionOptions,
+) -> Result<Tensor> {
+    let &[_, _, total, _] = qkv.dims() else {
+        bail!(
+            "{OP}: qkv must be [batch, n, heads + 2 * kv_heads, d], got shape {:?}",
+            qkv.dims()
+        );
+    };
+    if kv_heads == 0 || total <= 2 * kv_heads || !(total - 2 * kv_heads).is_multiple_of(kv_heads) {
+        bail!(
+            "{OP}: qkv holds {total} heads, not heads + 2 * kv_heads with heads a positive \
+             multiple of kv_heads = {kv_heads}"
+        );
+    }
+    let heads = total - 2 * kv_heads;
+    let op = PackedParts { heads, kv_heads };
+    let [q, k, v] = op.views(qkv)?;
+    let p = problem(&q, &k, &v, options)?;
+    mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
+    if qkv.elem_count() == 0 || !packed_in_place(&p, [&q, &k, &v]) {
+        return Ok(attention(&q, &k, &v, mask, options)?.0);
+    }
+    let attention = Attention {
+        p,
+        mask: mask.clone(),
+        saved: SavedLse::default(),
+    };
+    qkv.apply_op1(PackedAttention {
+        parts: op,
+        attention,
+    })
+}
+
+/// Whether the kernels read q, k and v where they lie in the packed tensor (else the view form).
+fn packed_in_place(p: &Problem, parts: [&Tensor; 3]) -> bool {
+    if parts[0].device().is_cpu() {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        p.d.is_multiple_of(8)
+            && p.scale >= 0.0
+            && parts
+                .iter()
+                .all(|t| cuda::operand_ok(t.layout(), t.dtype()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = p;
+        false
+    }
+}
+
+/// Where q, k and v lie in a packed `[batch, n, heads + 2 * kv_heads, d]` tensor.
+#[derive(Debug, Clone, Copy)]
+struct PackedParts {
+    heads: usize,
+    kv_heads: usize,
+}
+
+impl PackedParts {
+    /// (first head, head count) of q, k and v.
+    fn ranges(self) -> [(usize, usize); 3] {
+        let (h, hk) = (self.heads, self.kv_heads);
+        [(0, h), (h, hk), (h + hk, hk)]
+    }
+
+    /// q, k and v as `[batch, heads, n, d]` views of `qkv` (candle ops).
+    fn views(self, qkv: &Tensor) -> Result<[Tensor; 3]> {
+        let view = |(first, count): (usize, usize)| qkv.narrow(2, first, count)?.transpose(1, 2);
+        let [q, k, v] = self.ranges();
+        Ok([view(q)?, view(k)?, view(v)?])
+    }
+
+    /// The layouts of those views inside the packed tensor's layout.
+    fn layouts(self, packed: &Layout) -> Result<[Layout; 3]> {
+        let (b, n, _, d) = packed.shape().dims4()?;
+        let s = packed.stride();
+        let layout = |(first, count): (usize, usize)| {
+            Layout::new(
+                Shape::from((b, count, n, d)),
+                vec![s[0], s[2], s[1], s[3]],
+                packed.start_offset() + first * s[2],
+            )
+        };
+        Ok(self.ranges().map(layout))
+    }
+}
+
+/// The op of [`masked_attention_packed`]: [`Attention`] on three parts of one input, whose
+/// gradient is the three parts' gradients in the packed order.
+struct PackedAttention {
+    parts: PackedParts,
+    attention: Attention,
+}
+
+impl candle_core::CustomOp1 for PackedAttention {
+    fn name(&self) -> &'static str {
+        "fastops-masked-attention-packed"
+    }
+
+    fn cpu_fwd(&self, qkv: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let [q, k, v] = self.parts.layouts(layout)?;
+        self.attention.cpu_fwd(qkv, &q, qkv, &k, qkv, &v)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self, qkv: &candle_core::CudaStorage, layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let [q, k, v] = self.parts.layouts(layout)?;
+        self.attention.cuda_fwd(qkv, &q, qkv, &k, qkv, &v)
+    }
+
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
+        let [q, k, v] = self.parts.views(&qkv.detach())?;
+        let (Some(dq), Some(dk), Some(dv)) = self.attention.bwd(&q, &k, &v, out, grad_out)? else {
+            bail!("{OP}: internal error, the backward left a gradient out");
+        };
+        #[cfg(feature = "cuda")]
+        if dq.device().is_cuda() {
+            return Ok(Some(cuda::pack_heads(&self.attention.p, &dq, &dk, &dv)?));
+        }
+        // [batch, heads + 2 kv_heads, n, d] in one buffer, then in the packed order.
+        let grads = Tensor::cat(&[&dq, &dk, &dv], 1)?;
+        Ok(Some(grads.transpose(1, 2)?.contiguous()?))
+    }
+}
+
 /// The sizes of one call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Problem {

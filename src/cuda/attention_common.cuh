@@ -53,6 +53,13 @@ struct AttentionArgs {
 };
 static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
 
+// The sizes of attention_pack_heads (masked_attention_packed's gradient); mirrors `PackHeadsArgs`
+// in src/attention/cuda.rs.
+struct PackHeadsArgs {
+    int64_t batch, n, heads, kv_heads, d;
+};
+static_assert(sizeof(PackHeadsArgs) == 40, "PackHeadsArgs is mirrored by a Rust #[repr(C)] struct of 40 bytes");
+
 namespace {
 
 // The states of the tiles of one side (64 keys, or 64 queries) for one tile of the other side of a
