@@ -1213,9 +1213,11 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             )?;
         }
     }
-    // One packed projection [b, n, 3 h, d] (causal): masked_attention_packed, whose gradient is
-    // the projection's, against masked_attention on narrow + transpose views of it, whose
-    // gradients go back through candle's narrow (a zero-padded full-size tensor each).
+    // One packed projection [b, n, 3 h, d] (causal) to the output projection's input [b, n, h d]:
+    // masked_attention_packed (token-major output, so the reshape is free; its gradient is the
+    // projection's) against masked_attention on narrow + transpose views of it (its head-major
+    // output transposed and reshaped, a copy; the views' gradients go back through candle's
+    // narrow, a zero-padded full-size tensor each).
     let (n, d) = if gpu { (4096, 128) } else { (1024, 64) };
     let case = format!("causal b={batch} h={heads} n={n} d={d} packed qkv");
     if b.wants_case(&case) {
@@ -1234,10 +1236,11 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             Work::Flops(3.5 * flops),
             || {
                 candle_fastops::masked_attention_packed(&qkv, heads, &mask, &options)?
+                    .reshape((batch, n, heads * d))?
                     .backward()
                     .map(drop)
             },
-            "masked_attention on narrow views, fwd+bwd",
+            "masked_attention on narrow views (+ transpose, reshape), fwd+bwd",
             || {
                 let part = |i: usize| qkv.narrow(2, i * heads, heads)?.transpose(1, 2);
                 candle_fastops::masked_attention_with(
@@ -1247,6 +1250,8 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                     &mask,
                     &options,
                 )?
+                .transpose(1, 2)?
+                .reshape((batch, n, heads * d))?
                 .backward()
                 .map(drop)
             },

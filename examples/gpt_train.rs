@@ -209,7 +209,8 @@ impl Gpt {
             };
             let att =
                 masked_attention_packed(&qkv, self.heads, mask, &options)?.to_dtype(DType::F32)?;
-            let att = att.transpose(1, 2)?.reshape((b, t, d))?;
+            // Token-major [b, t, heads, dh]: the reshape is free.
+            let att = att.reshape((b, t, d))?;
             x = (x + blk.proj.forward(&att)?)?;
             let h = blk.up.forward(&blk.norm2.forward(&x)?)?.gelu()?;
             x = (x + blk.down.forward(&h)?)?;

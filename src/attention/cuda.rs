@@ -763,22 +763,84 @@ pub(super) struct BackwardInputs<'a> {
     pub lse: &'a Tensor,
 }
 
-/// Mirrors `PackHeadsArgs` in `src/cuda/attention_common.cuh`.
+/// Mirrors `MoveHeadsArgs` in `src/cuda/attention_common.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct PackHeadsArgs {
+struct MoveHeadsArgs {
     batch: i64,
     n: i64,
     heads: i64,
     kv_heads: i64,
     d: i64,
+    to_tokens: i64,
 }
-// Mirrored by `PackHeadsArgs` in src/cuda/attention_common.cuh.
-mirrored_struct!(PackHeadsArgs, 40, kernel_arg);
+// Mirrored by `MoveHeadsArgs` in src/cuda/attention_common.cuh.
+mirrored_struct!(MoveHeadsArgs, 48, kernel_arg);
+
+/// Launches `attention_move_heads` (see attention.cu): `parts` (dq, dk, dv; one tensor three
+/// times where `kv_heads` is 0) into `out`, which holds `batch * n * (heads + 2 kv_heads) * d`
+/// elements.
+fn move_heads<T: WithDType + CudaDType + DeviceRepr>(
+    dev: &CudaDevice, parts: [&CudaView<'_, T>; 3], out: &CudaSlice<T>, args: MoveHeadsArgs,
+) -> Result<()> {
+    let chunk = 16 / T::DTYPE.size_in_bytes() as i64;
+    let row = (args.heads + 2 * args.kv_heads) * args.d;
+    let elements = |v: &CudaView<'_, T>| v.len() as i64;
+    let [q, k, v] = parts;
+    let sizes_ok = elements(q) >= args.batch * args.n * args.heads * args.d
+        && (args.kv_heads == 0
+            || (elements(k) >= args.batch * args.n * args.kv_heads * args.d
+                && elements(v) >= args.batch * args.n * args.kv_heads * args.d))
+        && out.len() as i64 == args.batch * args.n * row;
+    if args.d % chunk != 0 || (args.to_tokens == 0 && args.kv_heads != 0) || !sizes_ok {
+        bail!("{OP}: internal error, heads moved as {args:?}");
+    }
+    let rows = (args.batch * args.n) as usize;
+    if rows == 0 || row == 0 {
+        return Ok(());
+    }
+    let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_move_heads"])?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.min(1 << 16) as u32, 1, 1),
+        block_dim: (C::MOVE_HEADS_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `attention_move_heads_*(dq, dk, dv, out, args)`. The kernel
+    // reads whole 16-byte chunks of rows of the contiguous parts (sizes checked above; fresh or
+    // kernel-operand buffers, 16-byte aligned, d a whole number of chunks) and writes every chunk
+    // of `out` once, a block per token row.
+    unsafe {
+        kernel.launch(cfg, |a_| {
+            a_.arg(q).arg(k).arg(v).arg(out).arg(&args);
+        })
+    }
+}
+
+fn move_heads_args(p: &Problem, heads: usize, kv_heads: usize, to_tokens: bool) -> MoveHeadsArgs {
+    MoveHeadsArgs {
+        batch: p.batch as i64,
+        n: p.n as i64,
+        heads: heads as i64,
+        kv_heads: kv_heads as i64,
+        d: p.d as i64,
+        to_tokens: to_tokens.into(),
+    }
+}
+
+fn cuda_tensor<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice, s: CudaSlice<T>, shape: (usize, usize, usize, usize),
+) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    )
+}
 
 /// The gradient of `masked_attention_packed`'s input, `[b, n, heads + 2 kv_heads, d]`, from dq
-/// `[b, heads, n, d]` and dk, dv `[b, kv_heads, n, d]` (contiguous, as [`backward`] gives them;
-/// `d` elements a whole number of 16-byte chunks) in one pass.
+/// `[b, heads, n, d]` and dk, dv `[b, kv_heads, n, d]` (contiguous, as [`backward`] gives them)
+/// in one pass.
 pub(super) fn pack_heads(p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor) -> Result<Tensor> {
     with_float_cuda_type!(OP, dq.dtype(), T => pack_heads_typed::<T>(p, dq, dk, dv))
 }
@@ -786,18 +848,14 @@ pub(super) fn pack_heads(p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor) -> 
 fn pack_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
     p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor,
 ) -> Result<Tensor> {
-    let total = p.heads + 2 * p.kv_heads;
-    let shape = (p.batch, p.n, total, p.d);
-    let chunk = 16 / T::DTYPE.size_in_bytes();
     let parts = [(dq, p.heads), (dk, p.kv_heads), (dv, p.kv_heads)];
     if p.m != p.n
-        || !p.d.is_multiple_of(chunk)
         || parts
             .iter()
             .any(|(t, h)| !t.is_contiguous() || t.dims() != [p.batch, *h, p.n, p.d])
     {
         bail!(
-            "{OP}: internal error, gradients {:?}, {:?}, {:?} do not pack into {shape:?}",
+            "{OP}: internal error, gradients {:?}, {:?}, {:?} do not pack",
             dq.dims(),
             dk.dims(),
             dv.dims()
@@ -806,40 +864,68 @@ fn pack_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
     let candle_core::Device::Cuda(dev) = dq.device() else {
         bail!("{OP}: internal error, the CUDA pack got CPU tensors");
     };
+    let total = p.heads + 2 * p.kv_heads;
     let (hq, hk, hv) = (Held::new(dq), Held::new(dk), Held::new(dv));
     let (qv, kv, vv) = (hq.view::<T>()?, hk.view::<T>()?, hv.view::<T>()?);
     let out = alloc_output::<T>(dev, p.batch * p.n * total * p.d)?;
-    let rows = p.batch * p.n;
-    if rows > 0 && total * p.d > 0 {
-        let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_pack_heads"])?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.min(1 << 16) as u32, 1, 1),
-            block_dim: (C::PACK_HEADS_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args = PackHeadsArgs {
-            batch: p.batch as i64,
-            n: p.n as i64,
-            heads: p.heads as i64,
-            kv_heads: p.kv_heads as i64,
-            d: p.d as i64,
-        };
-        // SAFETY: the arguments match `attention_pack_heads_*(dq, dk, dv, out, args)`. The kernel
-        // reads the rows of the three contiguous gradients (shapes checked above; fresh buffers,
-        // 16-byte aligned, d a whole number of chunks) and writes every 16-byte chunk of `out`
-        // ([b, n, heads + 2 kv_heads, d], contiguous), a block per row of it.
-        unsafe {
-            kernel.launch(cfg, |a_| {
-                a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(&args);
-            })?;
-        }
+    let args = move_heads_args(p, p.heads, p.kv_heads, true);
+    move_heads(dev, [&qv, &kv, &vv], &out, args)?;
+    Ok(cuda_tensor(dev, out, (p.batch, p.n, total, p.d)))
+}
+
+/// The forward's output `[b, heads, n, dv]` (contiguous storage) as `[b, n, heads, dv]`.
+pub(super) fn out_to_tokens(p: &Problem, out: &CudaStorage) -> Result<CudaStorage> {
+    with_float_cuda_type!(OP, out.dtype(), T => out_to_tokens_typed::<T>(p, out))
+}
+
+fn out_to_tokens_typed<T: WithDType + CudaDType + DeviceRepr>(
+    p: &Problem, out: &CudaStorage,
+) -> Result<CudaStorage> {
+    let dev = &out.device;
+    let src = out.as_cuda_slice::<T>()?.slice(0..);
+    let moved = alloc_output::<T>(dev, p.batch * p.n * p.heads * p.dv)?;
+    let args = MoveHeadsArgs {
+        d: p.dv as i64,
+        ..move_heads_args(p, p.heads, 0, true)
+    };
+    move_heads(dev, [&src, &src, &src], &moved, args)?;
+    Ok(CudaStorage::wrap_cuda_slice(moved, dev.clone()))
+}
+
+/// A token-major `[b, n, heads, dv]` tensor (the packed op's output or its gradient) as a
+/// contiguous head-major `[b, heads, n, dv]` one, for the backward kernels.
+pub(super) fn to_heads(p: &Problem, t: &Tensor) -> Result<Tensor> {
+    with_float_cuda_type!(OP, t.dtype(), T => to_heads_typed::<T>(p, t))
+}
+
+fn to_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
+    p: &Problem, t: &Tensor,
+) -> Result<Tensor> {
+    if t.dims() != [p.batch, p.n, p.heads, p.dv] {
+        bail!(
+            "{OP}: internal error, {:?} is not the packed output",
+            t.dims()
+        );
     }
-    Ok(Tensor::from_storage(
-        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
-        shape,
-        BackpropOp::none(),
-        false,
-    ))
+    // Contiguous, starting on 16 bytes (a fresh copy otherwise).
+    let t = t.contiguous()?;
+    let t = if (t.layout().start_offset() * T::DTYPE.size_in_bytes()).is_multiple_of(16) {
+        t
+    } else {
+        t.affine(1.0, 0.0)?
+    };
+    let candle_core::Device::Cuda(dev) = t.device() else {
+        bail!("{OP}: internal error, the CUDA move got a CPU tensor");
+    };
+    let held = Held::new(&t);
+    let src = held.view::<T>()?;
+    let moved = alloc_output::<T>(dev, p.batch * p.n * p.heads * p.dv)?;
+    let args = MoveHeadsArgs {
+        d: p.dv as i64,
+        ..move_heads_args(p, p.heads, 0, false)
+    };
+    move_heads(dev, [&src, &src, &src], &moved, args)?;
+    Ok(cuda_tensor(dev, moved, (p.batch, p.heads, p.n, p.dv)))
 }
 
 /// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.

@@ -122,7 +122,8 @@ pub fn masked_attention_with_lse(
 /// query heads, then the key heads, then the value heads of each token (a `[batch, n, 3, heads,
 /// d]` projection is `qkv.reshape((batch, n, 3 * heads, d))`, with `kv_heads = heads`). The
 /// result is that of [`masked_attention_with`] on the three parts as `[batch, heads, n, d]` views
-/// (self-attention: m = n), `[batch, heads, n, d]` in the dtype of `qkv`.
+/// (self-attention: m = n), token-major like the input: `[batch, n, heads, d]` (so that
+/// `reshape((batch, n, heads * d))` is free), in the dtype of `qkv`.
 ///
 /// The difference is the backward: the op's one input is `qkv`, so its gradient is one
 /// `[batch, n, heads + 2 * kv_heads, d]` tensor, assembled from dq, dk and dv in one pass on
@@ -131,7 +132,7 @@ pub fn masked_attention_with_lse(
 /// gradient (`narrow`'s backward) and several zero-filled sums through candle's backprop.
 /// Where the kernels cannot read the parts in place (on CUDA: a head dim that is not a multiple
 /// of 8, a negative scale, 16-bit rows off 16-byte boundaries), this computes exactly that view
-/// form instead: same results, the slower backward.
+/// form instead (its output a transposed view): same results, the slower backward.
 ///
 /// Errors: `qkv` not rank 4, `kv_heads` 0, or a head count that is not `heads + 2 * kv_heads`
 /// with `heads` a positive multiple of `kv_heads`; and every error of [`masked_attention`].
@@ -143,7 +144,7 @@ pub fn masked_attention_with_lse(
 /// // batch 1, 6 tokens, 2 query heads and 1 key / value head of dim 8.
 /// let qkv = Tensor::randn(0f32, 1., (1, 6, 2 + 2 * 1, 8), &dev)?;
 /// let out = masked_attention_packed(&qkv, 1, &AttentionMask::causal(), &AttentionOptions::default())?;
-/// assert_eq!(out.dims(), &[1, 2, 6, 8]);
+/// assert_eq!(out.dims(), &[1, 6, 2, 8]); // [batch, n, heads, d]
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn masked_attention_packed(
@@ -167,7 +168,7 @@ pub fn masked_attention_packed(
     let p = problem(&q, &k, &v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if qkv.elem_count() == 0 || !packed_in_place(&p, [&q, &k, &v]) {
-        return Ok(attention(&q, &k, &v, mask, options)?.0);
+        return attention(&q, &k, &v, mask, options)?.0.transpose(1, 2);
     }
     let attention = Attention {
         p,
@@ -236,11 +237,23 @@ impl PackedParts {
     }
 }
 
-/// The op of [`masked_attention_packed`]: [`Attention`] on three parts of one input, whose
-/// gradient is the three parts' gradients in the packed order.
+/// The op of [`masked_attention_packed`]: [`Attention`] on three parts of one input, its output
+/// token-major (`[b, n, heads, dv]`), its gradient the three parts' gradients in the packed order.
 struct PackedAttention {
     parts: PackedParts,
     attention: Attention,
+}
+
+impl PackedAttention {
+    /// The op's output (or its gradient), `[b, n, heads, dv]`, as `[b, heads, n, dv]`: contiguous
+    /// on CUDA (the kernels' layout), a view on the CPU.
+    fn head_major(&self, t: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if t.device().is_cuda() {
+            return cuda::to_heads(&self.attention.p, t);
+        }
+        t.transpose(1, 2)
+    }
 }
 
 impl candle_core::CustomOp1 for PackedAttention {
@@ -249,8 +262,28 @@ impl candle_core::CustomOp1 for PackedAttention {
     }
 
     fn cpu_fwd(&self, qkv: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
         let [q, k, v] = self.parts.layouts(layout)?;
-        self.attention.cpu_fwd(qkv, &q, qkv, &k, qkv, &v)
+        let (out, _) = self.attention.cpu_fwd(qkv, &q, qkv, &k, qkv, &v)?;
+        // [b, heads, n, dv] -> [b, n, heads, dv], a task per token row.
+        let p = &self.attention.p;
+        let (n, heads, dv) = (p.n, p.heads, p.dv);
+        let out = crate::dispatch::with_float_cpu!(OP, &out, |src| {
+            let mut moved = src.clone();
+            if heads * dv > 0 {
+                moved
+                    .par_chunks_mut(heads * dv)
+                    .enumerate()
+                    .for_each(|(row, dst)| {
+                        let (b, t) = (row / n, row % n);
+                        for (h, d) in dst.chunks_mut(dv).enumerate() {
+                            d.copy_from_slice(&src[((b * heads + h) * n + t) * dv..][..dv]);
+                        }
+                    });
+            }
+            candle_core::WithDType::to_cpu_storage_owned(moved)
+        });
+        Ok((out, Shape::from((p.batch, n, heads, dv))))
     }
 
     #[cfg(feature = "cuda")]
@@ -258,12 +291,20 @@ impl candle_core::CustomOp1 for PackedAttention {
         &self, qkv: &candle_core::CudaStorage, layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let [q, k, v] = self.parts.layouts(layout)?;
-        self.attention.cuda_fwd(qkv, &q, qkv, &k, qkv, &v)
+        let (out, _) = self.attention.cuda_fwd(qkv, &q, qkv, &k, qkv, &v)?;
+        let p = &self.attention.p;
+        Ok((
+            cuda::out_to_tokens(p, &out)?,
+            Shape::from((p.batch, p.n, p.heads, p.dv)),
+        ))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
         let [q, k, v] = self.parts.views(&qkv.detach())?;
-        let (Some(dq), Some(dk), Some(dv)) = self.attention.bwd(&q, &k, &v, out, grad_out)? else {
+        // The attention backward takes its output and gradient head-major, [b, heads, n, dv].
+        let (out, grad_out) = (self.head_major(out)?, self.head_major(grad_out)?);
+        let (Some(dq), Some(dk), Some(dv)) = self.attention.bwd(&q, &k, &v, &out, &grad_out)?
+        else {
             bail!("{OP}: internal error, the backward left a gradient out");
         };
         #[cfg(feature = "cuda")]

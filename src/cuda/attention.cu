@@ -1214,29 +1214,37 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
     store_row(dv + row * a.dv, acc_v, 1.f, a.dv, lane);
 }
 
-// The gradient of masked_attention_packed's one input: dq [b, heads, n, d], dk and dv [b, kv_heads,
-// n, d] (contiguous) into out [b, n, heads + 2 kv_heads, d] (contiguous), 16 bytes a thread; d
-// elements of T are a whole number of 16-byte chunks (the host's condition for the packed op). A
-// block per destination row (b, token), grid-strided; a row's chunks are the threads'.
+// Whole rows of d elements between the head-major layout [b, heads, n, d] of attention's operands
+// and the token-major layout [b, n, heads, d] of a packed projection (masked_attention_packed), 16
+// bytes a thread: d elements of T are whole 16-byte chunks (the host's condition for the packed
+// op), every tensor contiguous. to_tokens: dq [b, heads, n, d], dk and dv [b, kv_heads, n, d]
+// (kv_heads may be 0) into out [b, n, heads + 2 kv_heads, d]; else (kv_heads 0) dq [b, n, heads,
+// d] into out [b, heads, n, d]. A block per token row (b, t), grid-strided; a row's chunks are
+// the threads'.
 template <typename T>
-__device__ __forceinline__ void pack_heads(const T* dq, const T* dk, const T* dv, T* out, const PackHeadsArgs& a) {
+__device__ __forceinline__ void move_heads(const T* dq, const T* dk, const T* dv, T* out, const MoveHeadsArgs& a) {
     const int chunks = static_cast<int>(a.d * int64_t(sizeof(T)) / 16);  // per head row
     const int heads = static_cast<int>(a.heads), kv_heads = static_cast<int>(a.kv_heads);
     const int row_chunks = (heads + 2 * kv_heads) * chunks;
+    const uint4* from = reinterpret_cast<const uint4*>(dq);
+    uint4* to = reinterpret_cast<uint4*>(out);
     for (int64_t row = blockIdx.x; row < a.batch * a.n; row += gridDim.x) {
         const int64_t b = row / a.n, t = row % a.n;
-        uint4* to = reinterpret_cast<uint4*>(out) + row * row_chunks;
         for (int j = threadIdx.x; j < row_chunks; j += blockDim.x) {
             const int head = j / chunks, c = j - head * chunks;
-            const T* from;
-            if (head < heads) {
-                from = dq + ((b * heads + head) * a.n + t) * a.d;
-            } else if (head < heads + kv_heads) {
-                from = dk + ((b * kv_heads + head - heads) * a.n + t) * a.d;
-            } else {
-                from = dv + ((b * kv_heads + head - heads - kv_heads) * a.n + t) * a.d;
+            if (a.to_tokens == 0) {
+                to[((b * heads + head) * a.n + t) * chunks + c] = from[row * row_chunks + j];
+                continue;
             }
-            to[j] = reinterpret_cast<const uint4*>(from)[c];
+            const T* part;
+            if (head < heads) {
+                part = dq + ((b * heads + head) * a.n + t) * a.d;
+            } else if (head < heads + kv_heads) {
+                part = dk + ((b * kv_heads + head - heads) * a.n + t) * a.d;
+            } else {
+                part = dv + ((b * kv_heads + head - heads - kv_heads) * a.n + t) * a.d;
+            }
+            to[row * row_chunks + j] = reinterpret_cast<const uint4*>(part)[c];
         }
     }
 }
@@ -1296,11 +1304,11 @@ __device__ __forceinline__ void pack_heads(const T* dq, const T* dk, const T* dv
     }
 ATTENTION_TC_TYPE(__half, f16)
 ATTENTION_TC_TYPE(__nv_bfloat16, bf16)
-#define ATTENTION_PACK_HEADS(T, RUST)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(AC::PACK_HEADS_THREADS)                                            \
-        attention_pack_heads_##RUST(const T* dq, const T* dk, const T* dv, T* out, PackHeadsArgs a) {                 \
-        pack_heads<T>(dq, dk, dv, out, a);                                                                            \
+#define ATTENTION_MOVE_HEADS(T, RUST)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(AC::MOVE_HEADS_THREADS)                                            \
+        attention_move_heads_##RUST(const T* dq, const T* dk, const T* dv, T* out, MoveHeadsArgs a) {                 \
+        move_heads<T>(dq, dk, dv, out, a);                                                                            \
     }
-ATTENTION_PACK_HEADS(__half, f16)
-ATTENTION_PACK_HEADS(__nv_bfloat16, bf16)
-ATTENTION_PACK_HEADS(float, f32)
+ATTENTION_MOVE_HEADS(__half, f16)
+ATTENTION_MOVE_HEADS(__nv_bfloat16, bf16)
+ATTENTION_MOVE_HEADS(float, f32)

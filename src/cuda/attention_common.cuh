@@ -53,12 +53,12 @@ struct AttentionArgs {
 };
 static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
 
-// The sizes of attention_pack_heads (masked_attention_packed's gradient); mirrors `PackHeadsArgs`
-// in src/attention/cuda.rs.
-struct PackHeadsArgs {
-    int64_t batch, n, heads, kv_heads, d;
+// The sizes of attention_move_heads (masked_attention_packed's layouts); mirrors `MoveHeadsArgs`
+// in src/attention/cuda.rs. to_tokens: 1 head-major to token-major, 0 the other way.
+struct MoveHeadsArgs {
+    int64_t batch, n, heads, kv_heads, d, to_tokens;
 };
-static_assert(sizeof(PackHeadsArgs) == 40, "PackHeadsArgs is mirrored by a Rust #[repr(C)] struct of 40 bytes");
+static_assert(sizeof(MoveHeadsArgs) == 48, "MoveHeadsArgs is mirrored by a Rust #[repr(C)] struct of 48 bytes");
 
 namespace {
 

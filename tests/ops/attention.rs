@@ -1017,9 +1017,11 @@ fn packed_projection_matches_the_reference() -> Result<()> {
                     scale: Some(scale),
                     ..Default::default()
                 };
-                let out = masked_attention_packed(&qkv, hk, &spec.mask(dev)?, &options)?;
-                assert_eq!(out.dims(), &[b, h, n, d], "{what}");
-                assert_eq!(out.dtype(), dtype, "{what}");
+                let packed = masked_attention_packed(&qkv, hk, &spec.mask(dev)?, &options)?;
+                assert_eq!(packed.dims(), &[b, n, h, d], "{what}");
+                assert_eq!(packed.dtype(), dtype, "{what}");
+                // Head-major, as the reference and masked_attention give it.
+                let out = packed.transpose(1, 2)?;
                 let (q, k, v) = packed_views(&qkv, h, hk)?;
                 let f64c = |t: &Tensor| to_f64(&t.contiguous()?);
                 let (want, _) = reference(
@@ -1054,7 +1056,8 @@ fn packed_projection_gradients_match_the_views() -> Result<()> {
                 let (b, n, h, hk, d) = dims;
                 let what = format!("packed {dims:?} transposed {transposed} {dtype:?}");
                 let qkv = Var::from_tensor(&packed_qkv(dims, transposed, dtype, dev, 80)?)?;
-                let weights = rand_tensor(&[b, h, n, d], 1.0, dtype, dev, 81)?;
+                // Weights of the token-major output; the view form's is head-major.
+                let weights = rand_tensor(&[b, n, h, d], 1.0, dtype, dev, 81)?;
                 let options = AttentionOptions::default();
                 let mask = spec.mask(dev)?;
                 let ours = masked_attention_packed(&qkv, hk, &mask, &options)?;
@@ -1086,7 +1089,7 @@ fn packed_projection_gradients_match_the_views() -> Result<()> {
                     let (q, k, v) = packed_views(&qkv64, h, hk)?;
                     masked_attention_with(&q, &k, &v, &mask, &options)?
                 };
-                let want_grads = (want * weights.to_dtype(DType::F64)?)?
+                let want_grads = (want * weights.to_dtype(DType::F64)?.transpose(1, 2)?)?
                     .sum_all()?
                     .backward()?;
                 let want = to_f64(want_grads.get(&qkv64).expect("the views' gradient"))?;
@@ -1122,6 +1125,6 @@ fn packed_projection_bad_input_is_a_clear_error() -> Result<()> {
     // The op's output and gradient for an empty batch.
     let empty = Var::from_tensor(&rand_tensor(&[0, 6, 3, 8], 1.0, DType::F32, &dev, 97)?)?;
     let out = masked_attention_packed(&empty, 1, &full, &options)?;
-    assert_eq!(out.dims(), &[0, 1, 6, 8]);
+    assert_eq!(out.dims(), &[0, 6, 1, 8]);
     Ok(())
 }

@@ -408,6 +408,57 @@ fn head_rows(t: &Tensor, h: usize, rows: std::ops::Range<usize>) -> Result<Tenso
         .to_device(&Device::Cpu)
 }
 
+/// masked_attention_packed with the packed projection and its gradient past 2^31 elements (bf16
+/// `[1, m, 3 * 16, 128]`, sliding window 64) and the token-major output past 2^30: token rows
+/// `s..e` of every head, cut out and run on the CPU, give the rows whose keys (for the gradient,
+/// also whose queries) lie inside the cut.
+#[test]
+#[ignore = "needs a GPU with ~40 GB free; run with --ignored"]
+fn masked_attention_packed_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (heads, m, d, window) = (16, 350_003, 128, 64);
+    assert!(m * 3 * heads * d > BIG);
+    let mask = candle_fastops::AttentionMask::sliding_window(window);
+    let options = candle_fastops::AttentionOptions::default();
+    let qkv = Var::from_tensor(&uniform(&[1, m, 3 * heads, d], &dev)?.to_dtype(DType::BF16)?)?;
+    let w = uniform(&[1, m, heads, d], &dev)?.to_dtype(DType::BF16)?;
+    let out = candle_fastops::masked_attention_packed(&qkv, heads, &mask, &options)?;
+    let grads = (&out * &w)?.sum_all()?.backward()?;
+    let grad = grads.get(&qkv).expect("the packed gradient");
+    let cut = 300;
+    let tokens = |t: &Tensor, range: std::ops::Range<usize>| -> Result<Tensor> {
+        t.narrow(1, range.start, range.len())?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)
+    };
+    for s in [0, m / 2, m - cut] {
+        let e = s + cut;
+        let first = if s == 0 { 0 } else { s + window - 1 };
+        let last_key = if e == m { e } else { e - window };
+        let cpu_qkv = Var::from_tensor(&tokens(&qkv, s..e)?)?;
+        let want = candle_fastops::masked_attention_packed(&cpu_qkv, heads, &mask, &options)?;
+        let want_grads = (&want * tokens(&w, s..e)?)?.sum_all()?.backward()?;
+        let want_grad = want_grads.get(&cpu_qkv).expect("the packed gradient");
+        let rows = |t: &Tensor, range: std::ops::Range<usize>| -> Result<Vec<f64>> {
+            to_f64(&t.narrow(1, range.start - s, range.len())?)
+        };
+        let what = format!("tokens {s}..{e}");
+        assert_close(
+            &rows(&tokens(&out, s..e)?, first..e)?,
+            &rows(&want, first..e)?,
+            3e-2,
+            &format!("{what} output"),
+        );
+        assert_close(
+            &rows(&tokens(grad, s..e)?, first..last_key)?,
+            &rows(want_grad, first..last_key)?,
+            5e-2,
+            &format!("{what} gradient"),
+        );
+    }
+    Ok(())
+}
+
 /// masked_attention with q, k, v, the output and every gradient past 2^31 elements (bf16, the
 /// tensor-core kernels), under a sliding window of 64 so the work stays linear. A window makes
 /// attention local: rows `s..e` of one head, cut out and run on the CPU, give exactly the rows

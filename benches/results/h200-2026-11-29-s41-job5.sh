@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Session 41, job 5 (H200): masked_attention_packed with a token-major output [b, n, h, d]
+# (attention_move_heads both ways). Every test of test-ops (default kernels), the attention tests
+# through the portable kernels, the packed test past 2^31 elements both ways; the bench's packed
+# case both ways, two rounds; ncu durations of one packed and one views call; gpt_train; memcheck
+# over the packed tests (every kernel) and initcheck on the packed gradient test, both ways.
+set -u
+OUT=${OUT:?}
+source target/gpu-bundle/libs.sh
+work=$(mktemp -d)
+for b in bench-ops test-ops example-gpt_train; do xz -dc target/gpu-bundle/bin/$b.xz > "$work/$b"; done; chmod +x "$work"/*
+nvidia-smi -L | tee "$OUT/gpu.txt" >> "$OUT/summary.txt"
+timeout 300 "$work/test-ops" --test-threads=4 > "$OUT/tests-all.log" 2>&1
+echo "tests all rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"; grep "test result\|panicked\|FAILED" "$OUT/tests-all.log" | head -5 | tee -a "$OUT/summary.txt"
+CANDLE_FASTOPS_ATTENTION_KERNELS=portable timeout 200 "$work/test-ops" attention:: --test-threads=4 > "$OUT/tests-portable.log" 2>&1
+echo "tests attention portable rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"; grep "test result\|panicked\|FAILED" "$OUT/tests-portable.log" | head -5 | tee -a "$OUT/summary.txt"
+for k in default portable; do
+  CANDLE_FASTOPS_ATTENTION_KERNELS=$k timeout 120 "$work/test-ops" scale::masked_attention_packed_past_2_31 --ignored --test-threads=1 > "$OUT/scale-$k.log" 2>&1
+  echo "scale packed $k rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"; grep "test result\|panicked" "$OUT/scale-$k.log" | tee -a "$OUT/summary.txt"
+done
+for round in 1 2; do
+  for k in portable default; do
+    CANDLE_FASTOPS_ATTENTION_KERNELS=$k FASTOPS_BENCH_CASES=packed timeout 200 "$work/bench-ops" masked_attention > "$OUT/bench-$k-$round.log" 2>&1
+    echo "bench $k round $round rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"
+    grep "packed" "$OUT/bench-$k-$round.log" | cut -c20-230 | tee -a "$OUT/summary.txt"
+  done
+done
+mkdir -p "$OUT/ncu"
+ncu=$(command -v ncu || find /opt /usr/local -name ncu -type f 2>/dev/null | head -n1)
+CANDLE_FASTOPS_ATTENTION_KERNELS=default FASTOPS_BENCH_CASES=packed FASTOPS_BENCH_CALLS=0,1 timeout 200 "$ncu" --clock-control none \
+  --metrics gpu__time_duration.sum --csv "$work/bench-ops" masked_attention > "$OUT/ncu/profile.csv" 2> "$OUT/ncu/profile.err"
+echo "ncu rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"
+python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
+import csv, sys, os, io
+text = open(os.path.join(sys.argv[1], "ncu", "profile.csv")).read()
+start = text.find('"ID"')
+rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
+for r in rows:
+    n = r["Kernel Name"]
+    if "curand" in n or "gen_seq" in n: continue
+    print(r["ID"], n[:50], r["Grid Size"], r["Metric Value"])
+PY
+for a in "" "--layers 4 --batch 16 --seq 256 --steps 40"; do
+  timeout 200 "$work/example-gpt_train" $a > "$OUT/gpt-$(echo $a | tr -d ' -' | cut -c1-20).log" 2>&1
+  echo "gpt_train '$a' rc=$? $SECONDS s" | tee -a "$OUT/summary.txt"
+done
+tail -n 3 "$OUT"/gpt-*.log | tee -a "$OUT/summary.txt"
+san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitizer -type f 2>/dev/null | head -n1)
+export FASTOPS_TEST_LIGHT=1
+for k in portable default; do
+  CANDLE_FASTOPS_ATTENTION_KERNELS=$k timeout 250 "$san" --tool memcheck --error-exitcode 9 "$work/test-ops" attention::packed --test-threads=2 > "$OUT/san-memcheck-$k.log" 2>&1 &
+  CANDLE_FASTOPS_ATTENTION_KERNELS=$k timeout 250 "$san" --tool initcheck --error-exitcode 9 "$work/test-ops" attention::packed_projection_gradients_match_the_views --exact --test-threads=1 > "$OUT/san-initcheck-$k.log" 2>&1 &
+done
+wait
+for f in "$OUT"/san-*.log; do echo "$(basename $f): $(grep -E 'ERROR SUMMARY' $f | tail -1) | $(grep 'test result' $f | tail -1)" | tee -a "$OUT/summary.txt"; done
+echo "done $SECONDS s" | tee -a "$OUT/summary.txt"
+tar czf /tmp/logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv /tmp/logs.tgz "$OUT/"
