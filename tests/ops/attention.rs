@@ -963,16 +963,41 @@ fn default_options_scale_by_the_head_dim() -> Result<()> {
     Ok(())
 }
 
-/// A packed projection `[b, n, h + 2 hk, d]` of random values; `transposed`: a transposed view of
-/// a `[b, h + 2 hk, n, d]` tensor (no unit stride between tokens).
-fn packed_qkv(
-    (b, n, h, hk, d): PackedDims, transposed: bool, dtype: DType, dev: &Device, salt: u64,
+/// How a test's packed projection is laid out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PackedLayout {
+    /// A contiguous `[b, n, h + 2 hk, d]` tensor.
+    Plain,
+    /// A transposed view of a `[b, h + 2 hk, n, d]` tensor (no unit stride between tokens).
+    Transposed,
+    /// Tokens 5.. of a longer projection (a start offset of whole rows).
+    Tokens,
+    /// Columns 3.. of a wider projection (rows off any 16-byte boundary: the view form on CUDA).
+    Columns,
+}
+
+/// The tensor a packed projection `[b, n, h + 2 hk, d]` laid out as `layout` is a view of, of
+/// random values.
+fn packed_base(
+    (b, n, h, hk, d): PackedDims, layout: PackedLayout, dtype: DType, dev: &Device, salt: u64,
 ) -> Result<Tensor> {
     let total = h + 2 * hk;
-    if transposed {
-        rand_tensor(&[b, total, n, d], 1.0, dtype, dev, salt)?.transpose(1, 2)
-    } else {
-        rand_tensor(&[b, n, total, d], 1.0, dtype, dev, salt)
+    let shape = match layout {
+        PackedLayout::Plain => [b, n, total, d],
+        PackedLayout::Transposed => [b, total, n, d],
+        PackedLayout::Tokens => [b, n + 5, total, d],
+        PackedLayout::Columns => [b, n, total, d + 3],
+    };
+    rand_tensor(&shape, 1.0, dtype, dev, salt)
+}
+
+/// The packed projection of `packed_base` (candle ops, so gradients reach the base).
+fn packed_view(base: &Tensor, (_, n, _, _, d): PackedDims, layout: PackedLayout) -> Result<Tensor> {
+    match layout {
+        PackedLayout::Plain => Ok(base.clone()),
+        PackedLayout::Transposed => base.transpose(1, 2),
+        PackedLayout::Tokens => base.narrow(1, 5, n),
+        PackedLayout::Columns => base.narrow(3, 3, d),
     }
 }
 
@@ -985,21 +1010,23 @@ fn packed_views(qkv: &Tensor, h: usize, hk: usize) -> Result<(Tensor, Tensor, Te
 /// (b, n, h, hk, d) of a packed projection.
 type PackedDims = (usize, usize, usize, usize, usize);
 
-/// The packed cases: their dims, whether qkv is a transposed view, and the mask. d = 12 on CUDA
-/// is the view form (a head dim the kernels pad), the others the in-place op.
-fn packed_cases(dev: &Device, b: usize, n: usize) -> Vec<(PackedDims, bool, Spec)> {
+/// The packed cases: their dims, the projection's layout, and the mask. d = 12 and column windows
+/// take the view form on CUDA (a head dim the kernels pad, rows off 16 bytes), the others the
+/// in-place op.
+fn packed_cases(dev: &Device, b: usize, n: usize) -> Vec<(PackedDims, PackedLayout, Spec)> {
     let mut cases = vec![
-        ((b, n, 4, 2, 16), false, Spec::Causal),
+        ((b, n, 4, 2, 16), PackedLayout::Plain, Spec::Causal),
         (
             (b, n, 3, 3, 8),
-            true,
+            PackedLayout::Transposed,
             Spec::Documents(documents(b, n, 31), true),
         ),
-        ((b, n, 2, 1, 64), false, Spec::Window(17)),
-        ((1, n, 2, 2, 12), false, Spec::Full),
+        ((b, n, 2, 1, 64), PackedLayout::Tokens, Spec::Window(17)),
+        ((1, n, 2, 2, 12), PackedLayout::Plain, Spec::Full),
+        ((b, n, 2, 2, 16), PackedLayout::Columns, Spec::Causal),
     ];
     if dev.is_cuda() {
-        cases.push(((b, n, 2, 2, 128), true, Spec::Causal));
+        cases.push(((b, n, 2, 2, 128), PackedLayout::Transposed, Spec::Causal));
     }
     cases
 }
@@ -1008,10 +1035,10 @@ fn packed_cases(dev: &Device, b: usize, n: usize) -> Vec<(PackedDims, bool, Spec
 fn packed_projection_matches_the_reference() -> Result<()> {
     for_each_device(|dev| {
         for dtype in attention_dtypes(dev) {
-            for (dims, transposed, spec) in packed_cases(dev, 2, 45) {
+            for (dims, layout, spec) in packed_cases(dev, 2, 45) {
                 let (b, n, h, hk, d) = dims;
-                let what = format!("packed {dims:?} transposed {transposed} {dtype:?}");
-                let qkv = packed_qkv(dims, transposed, dtype, dev, 70)?;
+                let what = format!("packed {dims:?} {layout:?} {dtype:?}");
+                let qkv = packed_view(&packed_base(dims, layout, dtype, dev, 70)?, dims, layout)?;
                 let scale = 0.9 / (d as f64).sqrt();
                 let options = AttentionOptions {
                     scale: Some(scale),
@@ -1052,20 +1079,24 @@ fn packed_projection_matches_the_reference() -> Result<()> {
 fn packed_projection_gradients_match_the_views() -> Result<()> {
     for_each_device(|dev| {
         for dtype in attention_dtypes(dev) {
-            for (dims, transposed, spec) in packed_cases(dev, 2, 39) {
+            for (dims, layout, spec) in packed_cases(dev, 2, 39) {
                 let (b, n, h, hk, d) = dims;
-                let what = format!("packed {dims:?} transposed {transposed} {dtype:?}");
-                let qkv = Var::from_tensor(&packed_qkv(dims, transposed, dtype, dev, 80)?)?;
+                let what = format!("packed {dims:?} {layout:?} {dtype:?}");
+                // Gradients of the base, through the layout's view ops (a Var itself is
+                // contiguous).
+                let base = Var::from_tensor(&packed_base(dims, layout, dtype, dev, 80)?)?;
+                let qkv = packed_view(&base, dims, layout)?;
                 // Weights of the token-major output; the view form's is head-major.
                 let weights = rand_tensor(&[b, n, h, d], 1.0, dtype, dev, 81)?;
                 let options = AttentionOptions::default();
                 let mask = spec.mask(dev)?;
                 let ours = masked_attention_packed(&qkv, hk, &mask, &options)?;
                 let grads = (ours * &weights)?.sum_all()?.backward()?;
-                let got = grads.get(&qkv).expect("the packed gradient");
-                assert_eq!(got.dims(), qkv.dims(), "{what}");
+                let got = grads.get(&base).expect("the packed gradient");
+                assert_eq!(got.dims(), base.dims(), "{what}");
                 // The view form in f64, gradients through candle's narrow and transpose.
-                let qkv64 = Var::from_tensor(&qkv.to_dtype(DType::F64)?)?;
+                let base64 = Var::from_tensor(&base.to_dtype(DType::F64)?)?;
+                let qkv64 = packed_view(&base64, dims, layout)?;
                 let want = if dev.is_cuda() {
                     // (no f64 masked_attention on CUDA: candle's composed attention, masked
                     // additively; its matmul takes contiguous operands)
@@ -1092,7 +1123,7 @@ fn packed_projection_gradients_match_the_views() -> Result<()> {
                 let want_grads = (want * weights.to_dtype(DType::F64)?.transpose(1, 2)?)?
                     .sum_all()?
                     .backward()?;
-                let want = to_f64(want_grads.get(&qkv64).expect("the views' gradient"))?;
+                let want = to_f64(want_grads.get(&base64).expect("the views' gradient"))?;
                 assert_close(&to_f64(got)?, &want, gradient_tolerance(dtype), &what);
             }
         }
