@@ -673,13 +673,7 @@ pub(super) fn forward(
     let lse = alloc_output::<f32>(dev, rows)?;
     let out =
         with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, &lse)?);
-    let lse = Tensor::from_storage(
-        Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone())),
-        (p.batch, p.heads, p.m),
-        BackpropOp::none(),
-        false,
-    );
-    Ok((out, lse))
+    Ok((out, cuda_tensor(dev, lse, (p.batch, p.heads, p.m))))
 }
 
 fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
@@ -827,8 +821,9 @@ fn move_heads_args(p: &Problem, heads: usize, kv_heads: usize, to_tokens: bool) 
     }
 }
 
+/// A new buffer of the device as a tensor of `shape` (no gradient).
 fn cuda_tensor<T: CudaDType + DeviceRepr>(
-    dev: &CudaDevice, s: CudaSlice<T>, shape: (usize, usize, usize, usize),
+    dev: &CudaDevice, s: CudaSlice<T>, shape: impl Into<candle_core::Shape>,
 ) -> Tensor {
     Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
@@ -1063,14 +1058,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             })
         }
     };
-    let wrap = |s: CudaSlice<T>, like: &Tensor| {
-        Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
-            like.dims(),
-            BackpropOp::none(),
-            false,
-        )
-    };
+    let wrap = |s: CudaSlice<T>, like: &Tensor| cuda_tensor(dev, s, like.dims());
     let (queries, keys) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
     if let Some((head_tile, maps)) = &hopper {
         if queries > 0 && keys > 0 {

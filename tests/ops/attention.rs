@@ -581,6 +581,26 @@ fn gradient_tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// The additive f64 mask `[b, h, m, n]` of `spec` (0 where a key is visible, -inf elsewhere),
+/// for the composed attention.
+fn additive_bias(
+    spec: &Spec, (b, h, m, n): (usize, usize, usize, usize), dev: &Device,
+) -> Result<Tensor> {
+    let mut bias = vec![f64::NEG_INFINITY; b * h * m * n];
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..m {
+                for j in 0..n {
+                    if spec.visible(bi, hi, i, j, m, n) {
+                        bias[((bi * h + hi) * m + i) * n + j] = 0.0;
+                    }
+                }
+            }
+        }
+    }
+    Tensor::from_vec(bias, (b, h, m, n), dev)
+}
+
 /// Composed candle attention with an additive mask (0 or -inf), for autograd comparisons.
 fn composed(
     q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64, group: usize,
@@ -620,19 +640,7 @@ fn check_gradients(
     let weights = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 61)?;
     let ours = masked_attention_with(&qv, &kv, &vv, &spec.mask(dev)?, &options)?;
     let grads = (ours * &weights)?.sum_all()?.backward()?;
-    let mut bias = vec![f64::NEG_INFINITY; b * h * m * n];
-    for bi in 0..b {
-        for hi in 0..h {
-            for i in 0..m {
-                for j in 0..n {
-                    if spec.visible(bi, hi, i, j, m, n) {
-                        bias[((bi * h + hi) * m + i) * n + j] = 0.0;
-                    }
-                }
-            }
-        }
-    }
-    let bias = Tensor::from_vec(bias, (b, h, m, n), dev)?;
+    let bias = additive_bias(spec, (b, h, m, n), dev)?;
     let f64v = |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.to_dtype(DType::F64)?) };
     let (q64, k64, v64) = (f64v(&q)?, f64v(&k)?, f64v(&v)?);
     let want = composed(&q64, &k64, &v64, &bias, scale, h / hk)?;
@@ -1102,19 +1110,7 @@ fn packed_projection_gradients_match_the_views() -> Result<()> {
                     // additively; its matmul takes contiguous operands)
                     let (q, k, v) = packed_views(&qkv64, h, hk)?;
                     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-                    let mut bias = vec![f64::NEG_INFINITY; b * h * n * n];
-                    for bi in 0..b {
-                        for hi in 0..h {
-                            for i in 0..n {
-                                for j in 0..n {
-                                    if spec.visible(bi, hi, i, j, n, n) {
-                                        bias[((bi * h + hi) * n + i) * n + j] = 0.0;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    let bias = Tensor::from_vec(bias, (b, h, n, n), dev)?;
+                    let bias = additive_bias(&spec, (b, h, n, n), dev)?;
                     composed(&q, &k, &v, &bias, 1.0 / (d as f64).sqrt(), h / hk)?
                 } else {
                     let (q, k, v) = packed_views(&qkv64, h, hk)?;
