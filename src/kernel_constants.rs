@@ -136,8 +136,6 @@ pub mod attention {
     /// Steps of rows a warp of the delta pass reads at once (each step 32 / lanes rows, a row
     /// read by the power of two >= dv / 8 lanes).
     pub const DELTA_STEPS: usize = 4;
-    /// Threads per block of `attention_move_heads` (a block per token row of a packed tensor).
-    pub const MOVE_HEADS_THREADS: usize = 256;
     /// The one-pass tensor-core backward (head tile 128): keys per block and warps per block
     /// (each warp 32 queries x 32 keys of S and dP, 32 keys x 64 head columns of dK / dV).
     pub const ONE_PASS_KEYS: usize = 128;

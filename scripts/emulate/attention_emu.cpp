@@ -83,6 +83,25 @@ template <typename T> static const char* dtype_name() {
     else return "bf16";
 }
 
+// A head-major [B, H, R, C] buffer as token-major [B, R, H, C] (to_tokens), or the other way.
+template <typename X>
+static std::vector<X> move_heads(const std::vector<X>& x, int64_t B, int64_t H, int64_t R, int64_t C, bool to_tokens) {
+    std::vector<X> y(x.size());
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t r = 0; r < R; ++r)
+                for (int64_t c = 0; c < C; ++c) {
+                    const int64_t heads = ((b * H + h) * R + r) * C + c, tokens = ((b * R + r) * H + h) * C + c;
+                    if (to_tokens) y[tokens] = x[heads];
+                    else y[heads] = x[tokens];
+                }
+    return y;
+}
+
+// Whether out, its gradient and dq, dk, dv lie token-major ([b, rows, heads, cols], as
+// masked_attention_packed has them) instead of head-major: the kernels' o / dq / dk / dv strides.
+static bool g_token_major = false;
+
 // runs: a document mask passed as MASK_RUNS (each position's document as first | last << 32) to
 // the tensor-core kernels' runs instances, as the host does for documents in contiguous runs.
 // one_pass: the one-pass backward (D = 128): delta, then attention_bwd_{family}_d128_* (dq through its f32
@@ -154,6 +173,17 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
     const int64_t qs[3] = {c.h * c.m * pd, c.m * pd, pd}, ks[3] = {c.hk * c.n * pd, c.n * pd, pd},
                   vs[3] = {c.hk * c.n * pdv, c.n * pdv, pdv};
     for (int i = 0; i < 3; ++i) { a.q_strides[i] = qs[i]; a.k_strides[i] = ks[i]; a.v_strides[i] = vs[i]; }
+    auto set_strides = [&](int64_t (&to)[3], int64_t heads, int64_t rows, int64_t cols) {
+        const int64_t head_major[3] = {heads * rows * cols, rows * cols, cols}, token_major[3] = {rows * heads * cols, cols, heads * cols};
+        for (int i = 0; i < 3; ++i) to[i] = g_token_major ? token_major[i] : head_major[i];
+    };
+    set_strides(a.o_strides, c.h, c.m, pdv);
+    set_strides(a.dq_strides, c.h, c.m, pd);
+    set_strides(a.dk_strides, c.hk, c.n, pd);
+    set_strides(a.dv_strides, c.hk, c.n, pdv);
+    // The kernels read the output's gradient as they write the output.
+    const auto go_head_major = go;
+    if (g_token_major) go = move_heads(go, c.b, c.h, c.m, pdv, true);
     a.batch = c.b; a.heads = c.h; a.kv_heads = c.hk; a.m = c.m; a.n = c.n; a.d = pd; a.dv = pdv;
     a.row_tiles = rt; a.col_tiles = ct;
     a.scale = static_cast<float>(scale);
@@ -260,6 +290,13 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
             if (one_pass) ONE_PASS(bf16); else if (D == 64) BWD(64, bf16); else if (D == 128) BWD(128, bf16); else BWD(256, bf16);
         }
     }
+    if (g_token_major) {  // back to head-major for the checks
+        out = move_heads(out, c.b, c.h, c.m, pdv, false);
+        go = go_head_major;
+        dq = move_heads(dq, c.b, c.h, c.m, pd, false);
+        dk = move_heads(dk, c.b, c.hk, c.n, pd, false);
+        dvv = move_heads(dvv, c.b, c.hk, c.n, pdv, false);
+    }
     // The dq pass's delta against rowsum(dO * O) of the rounded output.
     int delta_failures = 0;
     for (int64_t r = 0; r < c.b * c.h * c.m; ++r) {
@@ -350,6 +387,7 @@ int main(int argc, char** argv) {
     std::setvbuf(stdout, nullptr, _IONBF, 0);
     const bool quick = argc > 1 && std::string(argv[1]) == "quick";
     const bool only_one_pass = argc > 1 && std::string(argv[1]) == "one_pass";
+    g_token_major = argc > 1 && std::string(argv[1]) == "tokens";
     std::vector<Case> cases = {
         {"causal", 2, 2, 1, 130, 130, 64, 64, CAUSAL},
         {"full, m < n, d != dv", 1, 2, 2, 70, 150, 72, 40, FULL},

@@ -21,6 +21,10 @@
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+// A block-wide static array: blocks run one after another, so a static serves every thread of
+// the block that is running.
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct uint4 { uint32_t x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
@@ -28,6 +32,7 @@ struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 struct alignas(8) int2 { int x, y; };
 inline int2 make_int2(int x, int y) { return int2{x, y}; }
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 struct Dim3 { uint32_t x = 0, y = 0, z = 0; };
 inline Dim3 threadIdx, blockIdx;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs src/cuda/attention.cu's kernels on the CPU against an f64 reference (no GPU needed):
-#   bash scripts/emulate/run.sh [quick]
+#   bash scripts/emulate/run.sh [quick | one_pass | tokens]   # tokens: out, dq, dk, dv token-major
 #   EMU_FLAGS="-DNAME=VALUE" bash scripts/emulate/run.sh   # extra compiler flags (kernel variants)
 # A check of the kernels' logic (fragment layouts, pipeline, masks, indexing) with the PTX
 # instructions emulated from the ISA's tables; it says nothing of speed, of real-hardware limits

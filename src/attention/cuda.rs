@@ -44,6 +44,10 @@ struct AttentionArgs {
     q_strides: [i64; 3],
     k_strides: [i64; 3],
     v_strides: [i64; 3],
+    o_strides: [i64; 3],
+    dq_strides: [i64; 3],
+    dk_strides: [i64; 3],
+    dv_strides: [i64; 3],
     batch: i64,
     heads: i64,
     kv_heads: i64,
@@ -58,7 +62,7 @@ struct AttentionArgs {
     mask: MaskArgs,
 }
 // Mirrored by `AttentionArgs` in src/cuda/attention_common.cuh.
-mirrored_struct!(AttentionArgs, 216, kernel_arg);
+mirrored_struct!(AttentionArgs, 312, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
 const TILE_K: usize = C::TILE_K;
@@ -300,16 +304,72 @@ fn strides_of(layout: &Layout) -> [usize; 3] {
     [s[0], s[1], s[2]]
 }
 
-fn strides3(layout: &Layout) -> [i64; 3] {
-    let s = layout.stride();
-    [s[0] as i64, s[1] as i64, s[2] as i64]
+fn signed(s: [usize; 3]) -> [i64; 3] {
+    s.map(|x| x as i64)
 }
 
-fn args(p: &Problem, mask: &DeviceMask, layouts: [&Layout; 3]) -> AttentionArgs {
+/// Where the kernels put the output (and find it and its gradient, which the backward takes in
+/// the same layout) and put the gradients of q, k and v.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Io {
+    /// `masked_attention`: out `[b, heads, m, dv]`, and dq, dk, dv buffers of their own shaped
+    /// as q, k, v; all contiguous.
+    HeadMajor,
+    /// `masked_attention_packed` (m = n, d = dv): out token-major `[b, n, heads, dv]`, and one
+    /// gradient `[b, n, heads + 2 kv_heads, d]` holding dq, dk and dv as qkv holds q, k and v;
+    /// both contiguous.
+    Packed,
+}
+
+impl Io {
+    /// The output's batch, head and row strides.
+    fn out_strides(self, p: &Problem) -> [usize; 3] {
+        match self {
+            Io::HeadMajor => [p.heads * p.m * p.dv, p.m * p.dv, p.dv],
+            Io::Packed => [p.m * p.heads * p.dv, p.dv, p.heads * p.dv],
+        }
+    }
+
+    /// The elements of the gradient buffers (one for Packed).
+    fn grad_lens(self, p: &Problem) -> Vec<usize> {
+        let (q, kv) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
+        match self {
+            Io::HeadMajor => vec![q * p.d, kv * p.d, kv * p.dv],
+            Io::Packed => vec![q * p.d + 2 * kv * p.d],
+        }
+    }
+
+    /// dq, dk and dv: (buffer, first element in it, batch / head / row strides).
+    fn grad_parts(self, p: &Problem) -> [(usize, usize, [usize; 3]); 3] {
+        match self {
+            Io::HeadMajor => [
+                (0, 0, [p.heads * p.m * p.d, p.m * p.d, p.d]),
+                (1, 0, [p.kv_heads * p.n * p.d, p.n * p.d, p.d]),
+                (2, 0, [p.kv_heads * p.n * p.dv, p.n * p.dv, p.dv]),
+            ],
+            Io::Packed => {
+                let row = (p.heads + 2 * p.kv_heads) * p.d;
+                let strides = [p.n * row, p.d, row];
+                [
+                    (0, 0, strides),
+                    (0, p.heads * p.d, strides),
+                    (0, (p.heads + p.kv_heads) * p.d, strides),
+                ]
+            }
+        }
+    }
+}
+
+fn args(p: &Problem, mask: &DeviceMask, layouts: [&Layout; 3], io: Io) -> AttentionArgs {
+    let grads = io.grad_parts(p).map(|(_, _, strides)| signed(strides));
     AttentionArgs {
-        q_strides: strides3(layouts[0]),
-        k_strides: strides3(layouts[1]),
-        v_strides: strides3(layouts[2]),
+        q_strides: signed(strides_of(layouts[0])),
+        k_strides: signed(strides_of(layouts[1])),
+        v_strides: signed(strides_of(layouts[2])),
+        o_strides: signed(io.out_strides(p)),
+        dq_strides: grads[0],
+        dk_strides: grads[1],
+        dv_strides: grads[2],
         batch: p.batch as i64,
         heads: p.heads as i64,
         kv_heads: p.kv_heads as i64,
@@ -662,30 +722,31 @@ fn check_grid(p: &Problem) -> Result<()> {
     Ok(())
 }
 
-/// The forward: the output `[b, h, m, dv]` and the log-sum-exp (f32 `[b, h, m]`).
+/// The forward: the output (`[b, h, m, dv]`, laid out as `io` says) and the log-sum-exp (f32
+/// `[b, h, m]`).
 pub(super) fn forward(
     p: &Problem, mask: &DeviceMask, q: (&CudaStorage, &Layout), k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout), io: Io,
 ) -> Result<(CudaStorage, Tensor)> {
     let dev = &q.0.device;
     check_grid(p)?;
     let rows = p.batch * p.heads * p.m;
     let lse = alloc_output::<f32>(dev, rows)?;
-    let out =
-        with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, &lse)?);
+    let out = with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, io, &lse)?);
     Ok((out, cuda_tensor(dev, lse, (p.batch, p.heads, p.m))))
 }
 
 fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     p: &Problem, mask: &DeviceMask, (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout), (v, vl): (&CudaStorage, &Layout), lse: &CudaSlice<f32>,
+    (k, kl): (&CudaStorage, &Layout), (v, vl): (&CudaStorage, &Layout), io: Io,
+    lse: &CudaSlice<f32>,
 ) -> Result<CudaStorage> {
     let dev = &q.device;
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
     if p.batch * p.heads * p.m > 0 {
         let path = Path::of(p, T::DTYPE);
         let mask = &mask.for_path(path);
-        let a = args(p, mask, [ql, kl, vl]);
+        let a = args(p, mask, [ql, kl, vl], io);
         let (qv, kv, vv) = (
             q.as_cuda_slice::<T>()?.slice(ql.start_offset()..),
             k.as_cuda_slice::<T>()?.slice(kl.start_offset()..),
@@ -732,8 +793,8 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
             // ids, args)`. Every element read lies in the operands' layouts (rows below m or n,
             // columns below d or dv, by the layouts' strides) or in the mask's buffers (tile
             // states of [mb * mh or batch, row_tiles, col_tiles], dense bytes by their strides,
-            // ids of [batch * seq]); the kernels write rows below m of `out` ([b, h, m, dv]) and
-            // `lse`.
+            // ids of [batch * seq]); the kernels write rows below m and columns below dv of
+            // `out` (b * h * m * dv elements, by `io`'s strides) and `lse`.
             unsafe {
                 kernel.launch(cfg, |a_| {
                     a_.arg(&qv).arg(&kv).arg(&vv).arg(&out).arg(lse);
@@ -747,7 +808,8 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
 }
 
 /// What the backward reads: the forward's operands as it got them, its output and the output's
-/// gradient (`[b, h, m, dv]`, contiguous, rows 16-byte aligned) and the log-sum-exp.
+/// gradient (both laid out as the backward's `io` says, contiguous, 16-byte aligned) and the
+/// log-sum-exp.
 pub(super) struct BackwardInputs<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
@@ -757,68 +819,12 @@ pub(super) struct BackwardInputs<'a> {
     pub lse: &'a Tensor,
 }
 
-/// Mirrors `MoveHeadsArgs` in `src/cuda/attention_common.cuh`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct MoveHeadsArgs {
-    batch: i64,
-    n: i64,
-    heads: i64,
-    kv_heads: i64,
-    d: i64,
-    to_tokens: i64,
-}
-// Mirrored by `MoveHeadsArgs` in src/cuda/attention_common.cuh.
-mirrored_struct!(MoveHeadsArgs, 48, kernel_arg);
-
-/// Launches `attention_move_heads` (see attention.cu): `parts` (dq, dk, dv; one tensor three
-/// times where `kv_heads` is 0) into `out`, which holds `batch * n * (heads + 2 kv_heads) * d`
-/// elements.
-fn move_heads<T: WithDType + CudaDType + DeviceRepr>(
-    dev: &CudaDevice, parts: [&CudaView<'_, T>; 3], out: &CudaSlice<T>, args: MoveHeadsArgs,
-) -> Result<()> {
-    let chunk = 16 / T::DTYPE.size_in_bytes() as i64;
-    let row = (args.heads + 2 * args.kv_heads) * args.d;
-    let elements = |v: &CudaView<'_, T>| v.len() as i64;
-    let [q, k, v] = parts;
-    let sizes_ok = elements(q) >= args.batch * args.n * args.heads * args.d
-        && (args.kv_heads == 0
-            || (elements(k) >= args.batch * args.n * args.kv_heads * args.d
-                && elements(v) >= args.batch * args.n * args.kv_heads * args.d))
-        && out.len() as i64 == args.batch * args.n * row;
-    if args.d % chunk != 0 || (args.to_tokens == 0 && args.kv_heads != 0) || !sizes_ok {
-        bail!("{OP}: internal error, heads moved as {args:?}");
-    }
-    let rows = (args.batch * args.n) as usize;
-    if rows == 0 || row == 0 {
-        return Ok(());
-    }
-    let kernel = Kernel::load_typed::<T>(dev, Module::Attention, &["attention_move_heads"])?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows.min(1 << 16) as u32, 1, 1),
-        block_dim: (C::MOVE_HEADS_THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the arguments match `attention_move_heads_*(dq, dk, dv, out, args)`. The kernel
-    // reads whole 16-byte chunks of rows of the contiguous parts (sizes checked above; fresh or
-    // kernel-operand buffers, 16-byte aligned, d a whole number of chunks) and writes every chunk
-    // of `out` once, a block per token row.
-    unsafe {
-        kernel.launch(cfg, |a_| {
-            a_.arg(q).arg(k).arg(v).arg(out).arg(&args);
-        })
-    }
-}
-
-fn move_heads_args(p: &Problem, heads: usize, kv_heads: usize, to_tokens: bool) -> MoveHeadsArgs {
-    MoveHeadsArgs {
-        batch: p.batch as i64,
-        n: p.n as i64,
-        heads: heads as i64,
-        kv_heads: kv_heads as i64,
-        d: p.d as i64,
-        to_tokens: to_tokens.into(),
-    }
+/// The backward's gradients, as its `io` lays them out.
+pub(super) enum Gradients {
+    /// dq, dk and dv (`Io::HeadMajor`), shaped and strided as contiguous q, k and v.
+    Parts(Tensor, Tensor, Tensor),
+    /// The gradient of the packed `[b, n, heads + 2 kv_heads, d]` input (`Io::Packed`).
+    Packed(Tensor),
 }
 
 /// A new buffer of the device as a tensor of `shape` (no gradient).
@@ -833,102 +839,33 @@ fn cuda_tensor<T: CudaDType + DeviceRepr>(
     )
 }
 
-/// The gradient of `masked_attention_packed`'s input, `[b, n, heads + 2 kv_heads, d]`, from dq
-/// `[b, heads, n, d]` and dk, dv `[b, kv_heads, n, d]` (contiguous, as [`backward`] gives them)
-/// in one pass.
-pub(super) fn pack_heads(p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor) -> Result<Tensor> {
-    with_float_cuda_type!(OP, dq.dtype(), T => pack_heads_typed::<T>(p, dq, dk, dv))
-}
-
-fn pack_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
-    p: &Problem, dq: &Tensor, dk: &Tensor, dv: &Tensor,
-) -> Result<Tensor> {
-    let parts = [(dq, p.heads), (dk, p.kv_heads), (dv, p.kv_heads)];
-    if p.m != p.n
-        || parts
-            .iter()
-            .any(|(t, h)| !t.is_contiguous() || t.dims() != [p.batch, *h, p.n, p.d])
+/// The backward: the gradients of q, k and v in the dtype of the operands, laid out as `io`
+/// says.
+pub(super) fn backward(
+    p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>, io: Io,
+) -> Result<Gradients> {
+    check_grid(p)?;
+    let out_dims = match io {
+        Io::HeadMajor => [p.batch, p.heads, p.m, p.dv],
+        Io::Packed => [p.batch, p.m, p.heads, p.dv],
+    };
+    let laid_out = |t: &Tensor| {
+        t.dims() == out_dims
+            && t.is_contiguous()
+            && operand_ok(t.layout(), t.dtype())
+            && t.dtype() == x.q.dtype()
+    };
+    if (io == Io::Packed && (p.m != p.n || p.d != p.dv))
+        || !laid_out(x.out)
+        || !laid_out(x.grad_out)
     {
         bail!(
-            "{OP}: internal error, gradients {:?}, {:?}, {:?} do not pack",
-            dq.dims(),
-            dk.dims(),
-            dv.dims()
+            "{OP}: internal error, the backward got out {:?} and its gradient {:?} for {io:?}",
+            x.out.layout(),
+            x.grad_out.layout()
         );
     }
-    let candle_core::Device::Cuda(dev) = dq.device() else {
-        bail!("{OP}: internal error, the CUDA pack got CPU tensors");
-    };
-    let total = p.heads + 2 * p.kv_heads;
-    let (hq, hk, hv) = (Held::new(dq), Held::new(dk), Held::new(dv));
-    let (qv, kv, vv) = (hq.view::<T>()?, hk.view::<T>()?, hv.view::<T>()?);
-    let out = alloc_output::<T>(dev, p.batch * p.n * total * p.d)?;
-    let args = move_heads_args(p, p.heads, p.kv_heads, true);
-    move_heads(dev, [&qv, &kv, &vv], &out, args)?;
-    Ok(cuda_tensor(dev, out, (p.batch, p.n, total, p.d)))
-}
-
-/// The forward's output `[b, heads, n, dv]` (contiguous storage) as `[b, n, heads, dv]`.
-pub(super) fn out_to_tokens(p: &Problem, out: &CudaStorage) -> Result<CudaStorage> {
-    with_float_cuda_type!(OP, out.dtype(), T => out_to_tokens_typed::<T>(p, out))
-}
-
-fn out_to_tokens_typed<T: WithDType + CudaDType + DeviceRepr>(
-    p: &Problem, out: &CudaStorage,
-) -> Result<CudaStorage> {
-    let dev = &out.device;
-    let src = out.as_cuda_slice::<T>()?.slice(0..);
-    let moved = alloc_output::<T>(dev, p.batch * p.n * p.heads * p.dv)?;
-    let args = MoveHeadsArgs {
-        d: p.dv as i64,
-        ..move_heads_args(p, p.heads, 0, true)
-    };
-    move_heads(dev, [&src, &src, &src], &moved, args)?;
-    Ok(CudaStorage::wrap_cuda_slice(moved, dev.clone()))
-}
-
-/// A token-major `[b, n, heads, dv]` tensor (the packed op's output or its gradient) as a
-/// contiguous head-major `[b, heads, n, dv]` one, for the backward kernels.
-pub(super) fn to_heads(p: &Problem, t: &Tensor) -> Result<Tensor> {
-    with_float_cuda_type!(OP, t.dtype(), T => to_heads_typed::<T>(p, t))
-}
-
-fn to_heads_typed<T: WithDType + CudaDType + DeviceRepr>(
-    p: &Problem, t: &Tensor,
-) -> Result<Tensor> {
-    if t.dims() != [p.batch, p.n, p.heads, p.dv] {
-        bail!(
-            "{OP}: internal error, {:?} is not the packed output",
-            t.dims()
-        );
-    }
-    // Contiguous, starting on 16 bytes (a fresh copy otherwise).
-    let t = t.contiguous()?;
-    let t = if (t.layout().start_offset() * T::DTYPE.size_in_bytes()).is_multiple_of(16) {
-        t
-    } else {
-        t.affine(1.0, 0.0)?
-    };
-    let candle_core::Device::Cuda(dev) = t.device() else {
-        bail!("{OP}: internal error, the CUDA move got a CPU tensor");
-    };
-    let held = Held::new(&t);
-    let src = held.view::<T>()?;
-    let moved = alloc_output::<T>(dev, p.batch * p.n * p.heads * p.dv)?;
-    let args = MoveHeadsArgs {
-        d: p.dv as i64,
-        ..move_heads_args(p, p.heads, 0, false)
-    };
-    move_heads(dev, [&src, &src, &src], &moved, args)?;
-    Ok(cuda_tensor(dev, moved, (p.batch, p.heads, p.n, p.dv)))
-}
-
-/// The backward: gradients of q, k and v, contiguous, of the shapes and dtype of the operands.
-pub(super) fn backward(
-    p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    check_grid(p)?;
-    with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x))
+    with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x, io))
 }
 
 fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
@@ -941,7 +878,8 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         grad_out,
         lse,
     }: &BackwardInputs<'_>,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    io: Io,
+) -> Result<Gradients> {
     let candle_core::Device::Cuda(dev) = q.device() else {
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");
     };
@@ -955,8 +893,14 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         ho.view::<T>()?,
         hg.view::<T>()?,
     );
-    let dk = alloc_output::<T>(dev, k.elem_count())?;
-    let dv = alloc_output::<T>(dev, v.elem_count())?;
+    // The gradient buffers, and dq, dk and dv as views into them.
+    let buffers = io
+        .grad_lens(p)
+        .into_iter()
+        .map(|len| alloc_output::<T>(dev, len))
+        .collect::<Result<Vec<_>>>()?;
+    let parts = io.grad_parts(p);
+    let [dq, dk, dv] = parts.map(|(buffer, first, _)| buffers[buffer].slice(first..));
     // The Hopper backward where it runs the problem (not in deterministic mode: it adds dq with
     // 16-byte reductions in a varying order) and TMA describes the operands and dk / dv. The maps
     // hold raw addresses: the guards keep the buffers' stream ordering until the launches are
@@ -973,9 +917,8 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let hopper = match path.hopper_forward(dev)? {
         Some(head_tile) if !p.deterministic && items <= i32::MAX as usize => {
             let (q_dims, kv_dims) = ([p.batch, p.heads, p.m], [p.batch, p.kv_heads, p.n]);
-            let grad_strides = [p.heads * p.m * p.dv, p.m * p.dv, p.dv];
-            let dk_strides = [p.kv_heads * p.n * p.d, p.n * p.d, p.d];
-            let dv_strides = [p.kv_heads * p.n * p.dv, p.n * p.dv, p.dv];
+            let grad_strides = io.out_strides(p);
+            let (dk_strides, dv_strides) = (parts[1].2, parts[2].2);
             let maps = [
                 TensorMap::tiles::<T>(q_ptr, q_dims, p.d, strides_of(q.layout()))?,
                 TensorMap::tiles::<T>(k_ptr, kv_dims, p.d, strides_of(k.layout()))?,
@@ -1005,11 +948,10 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     };
     let mask = &mask.for_path(path);
     let one_pass = hopper.is_none() && one_pass_backward(dev, p, path)?;
-    let dq = alloc_output::<T>(dev, q.elem_count())?;
     // delta = rowsum(dO * O), f32 [b, h, m]: written by the dq or delta pass, read by dk / dv.
     let delta = alloc_output::<f32>(dev, p.batch * p.heads * p.m)?;
     // (The delta pass, run before the Hopper and the one-pass backwards, reads no mask.)
-    let a = args(p, mask, [q.layout(), k.layout(), v.layout()]);
+    let a = args(p, mask, [q.layout(), k.layout(), v.layout()], io);
     let lv = hl.view::<f32>()?;
     let held = hold_all(mask);
     let views = mask_views(&held)?;
@@ -1019,10 +961,12 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     let run = |pass: Pass| -> Result<()> {
         let kernel = path.kernel::<T>(dev, pass, mask)?;
         // SAFETY: the arguments match BACKWARD_PARAMS. Reads are as in the forward plus rows
-        // below m of grad_out, out and lse (contiguous, rows 16-byte aligned as `operand_ok`
-        // checked). dq and delta write rows below m of delta ([b, h, m], before dk / dv read
-        // them on the same stream); dq writes rows below m of dq ([b, h, m, d]); dkdv rows below
-        // n of dk ([b, hk, n, d]) and dv ([b, hk, n, dv]); all contiguous.
+        // below m of grad_out and out (by the output's strides of `io`, which `backward` checked
+        // they have, rows 16-byte aligned) and of lse. dq and delta write rows below m of delta
+        // ([b, h, m], before dk / dv read them on the same stream); dq writes rows below m and
+        // columns below d of dq ([b, h, m, d]); dkdv rows below n of dk ([b, hk, n, d]) and dv
+        // ([b, hk, n, dv]): dq, dk and dv by the strides of `io`, inside their buffers and
+        // disjoint.
         unsafe {
             kernel.launch(path.config(p, pass, elem), |a_| {
                 for x in [&qv, &kv, &vv, &gv, &ov] {
@@ -1050,15 +994,25 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         };
         // SAFETY: the arguments match `attention_dq_rows_*(dq_accum, dq, args)`; the kernel
         // reads all of dq_accum (float4 at a time; b * h * padded_m * head_tile f32, two column
-        // blocks a query tile) and writes rows below m and columns below d of dq ([b, h, m, d],
-        // contiguous, rows 16-byte aligned: d is a multiple of 8).
+        // blocks a query tile) and writes rows below m and columns below d of dq ([b, h, m, d]
+        // by the strides of `io`, rows 16-byte aligned: d is a multiple of 8).
         unsafe {
             kernel.launch(cfg, |a_| {
                 a_.arg(acc).arg(&dq).arg(&a);
             })
         }
     };
-    let wrap = |s: CudaSlice<T>, like: &Tensor| cuda_tensor(dev, s, like.dims());
+    let gradients = |buffers: Vec<CudaSlice<T>>| -> Result<Gradients> {
+        let mut buffers = buffers.into_iter();
+        let mut next = |shape: &[usize]| match buffers.next() {
+            Some(s) => Ok(cuda_tensor(dev, s, shape)),
+            None => bail!("{OP}: internal error, a gradient buffer is missing"),
+        };
+        Ok(match io {
+            Io::HeadMajor => Gradients::Parts(next(q.dims())?, next(k.dims())?, next(v.dims())?),
+            Io::Packed => Gradients::Packed(next(&[p.batch, p.n, p.heads + 2 * p.kv_heads, p.d])?),
+        })
+    };
     let (queries, keys) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
     if let Some((head_tile, maps)) = &hopper {
         if queries > 0 && keys > 0 {
@@ -1071,7 +1025,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             // lse, delta, dk_map, dv_map, dq_accum, states, dense, ids, args)`. q, k, v and
             // grad_out are read through the maps, which cover exactly their layouts; lse and
             // delta rows below m; the mask's buffers as in the forward. The kernel writes dk and
-            // dv through their maps (exactly the contiguous [b, hk, n, d] / [.., dv] buffers) and
+            // dv through their maps (exactly their [b, hk, n, d] / [.., dv] parts by `io`) and
             // adds into all of dq_accum ([b, h, padded_m, head_tile]).
             unsafe {
                 kernel.launch(cfg, |a_| {
@@ -1127,7 +1081,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
             }
             dq_from_accum(Module::Attention, "attention_dq_rows_d128", &acc)?;
             drop((dk_guard, dv_guard)); // every launch is queued
-            return Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)));
+            return gradients(buffers);
         }
         if keys > 0 {
             run(Pass::Dq)?;
@@ -1142,5 +1096,5 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         }
     }
     drop((dk_guard, dv_guard)); // every launch is queued
-    Ok((wrap(dq, q), wrap(dk, k), wrap(dv, v)))
+    gradients(buffers)
 }

@@ -244,18 +244,6 @@ struct PackedAttention {
     attention: Attention,
 }
 
-impl PackedAttention {
-    /// The op's output (or its gradient), `[b, n, heads, dv]`, as `[b, heads, n, dv]`: contiguous
-    /// on CUDA (the kernels' layout), a view on the CPU.
-    fn head_major(&self, t: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if t.device().is_cuda() {
-            return cuda::to_heads(&self.attention.p, t);
-        }
-        t.transpose(1, 2)
-    }
-}
-
 impl candle_core::CustomOp1 for PackedAttention {
     fn name(&self) -> &'static str {
         "fastops-masked-attention-packed"
@@ -291,26 +279,33 @@ impl candle_core::CustomOp1 for PackedAttention {
         &self, qkv: &candle_core::CudaStorage, layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let [q, k, v] = self.parts.layouts(layout)?;
-        let (out, _) = self.attention.cuda_fwd(qkv, &q, qkv, &k, qkv, &v)?;
+        // The kernels write the output token-major.
+        let out = self
+            .attention
+            .cuda_forward((qkv, &q), (qkv, &k), (qkv, &v), cuda::Io::Packed)?;
         let p = &self.attention.p;
-        Ok((
-            cuda::out_to_tokens(p, &out)?,
-            Shape::from((p.batch, p.n, p.heads, p.dv)),
-        ))
+        Ok((out, Shape::from((p.batch, p.n, p.heads, p.dv))))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
         let [q, k, v] = self.parts.views(&qkv.detach())?;
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            // The kernels read out and its gradient token-major and write the packed gradient.
+            let grads =
+                self.attention
+                    .cuda_backward((&q, &k, &v), out, grad_out, cuda::Io::Packed)?;
+            let cuda::Gradients::Packed(grads) = grads else {
+                bail!("{OP}: internal error, the packed backward gave separate gradients");
+            };
+            return Ok(Some(grads));
+        }
         // The attention backward takes its output and gradient head-major, [b, heads, n, dv].
-        let (out, grad_out) = (self.head_major(out)?, self.head_major(grad_out)?);
+        let (out, grad_out) = (out.transpose(1, 2)?, grad_out.transpose(1, 2)?);
         let (Some(dq), Some(dk), Some(dv)) = self.attention.bwd(&q, &k, &v, &out, &grad_out)?
         else {
             bail!("{OP}: internal error, the backward left a gradient out");
         };
-        #[cfg(feature = "cuda")]
-        if dq.device().is_cuda() {
-            return Ok(Some(cuda::pack_heads(&self.attention.p, &dq, &dk, &dv)?));
-        }
         // [batch, heads + 2 kv_heads, n, d] in one buffer, then in the packed order.
         let grads = Tensor::cat(&[&dq, &dk, &dv], 1)?;
         Ok(Some(grads.transpose(1, 2)?.contiguous()?))
@@ -602,12 +597,34 @@ impl Attention {
 }
 
 impl Attention {
-    /// The CUDA backward: the dq kernel (which also writes delta = rowsum(dO * O)), then the
-    /// dk / dv kernel.
+    /// The CUDA forward: the output `[b, heads, m, dv]` laid out as `io` says (its storage).
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self, (q, q_layout): (&candle_core::CudaStorage, &Layout),
+        (k, k_layout): (&candle_core::CudaStorage, &Layout),
+        (v, v_layout): (&candle_core::CudaStorage, &Layout), io: cuda::Io,
+    ) -> Result<candle_core::CudaStorage> {
+        let p = &self.p;
+        for (name, layout) in [("q", q_layout), ("k", k_layout), ("v", v_layout)] {
+            let dtype = candle_core::backend::BackendStorage::dtype(q);
+            if !cuda::operand_ok(layout, dtype) || !layout.dims()[3].is_multiple_of(8) {
+                bail!("{OP}: internal error, {name} reached the kernels unprepared ({layout:?})");
+            }
+        }
+        let device = candle_core::Device::Cuda(q.device.clone());
+        let mask = cuda::DeviceMask::new(&self.mask, p, &device)?;
+        let (out, lse) = cuda::forward(p, &mask, (q, q_layout), (k, k_layout), (v, v_layout), io)?;
+        self.keep_lse(lse)?;
+        Ok(out)
+    }
+
+    /// The CUDA backward (`out` and `grad_out` as the forward's `io` laid out the output): the
+    /// Hopper, the one-pass or the two-pass kernels (`cuda::backward`).
     #[cfg(feature = "cuda")]
     fn cuda_backward(
         &self, (q, k, v): (&Tensor, &Tensor, &Tensor), out: &Tensor, grad_out: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        io: cuda::Io,
+    ) -> Result<cuda::Gradients> {
         // Contiguous, with 16-byte aligned rows (a copy otherwise).
         let aligned = |t: &Tensor| cuda::kernel_operand(t.contiguous()?);
         let (out, go) = (aligned(out)?, aligned(grad_out)?);
@@ -621,14 +638,7 @@ impl Attention {
             grad_out: &go,
             lse: &lse,
         };
-        cuda::backward(&self.p, &mask, &inputs)
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn cuda_backward(
-        &self, _: (&Tensor, &Tensor, &Tensor), _: &Tensor, _: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
+        cuda::backward(&self.p, &mask, &inputs, io)
     }
 }
 
@@ -662,24 +672,24 @@ impl CustomOp3 for Attention {
         k_layout: &Layout, v: &candle_core::CudaStorage, v_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let p = &self.p;
-        for (name, layout) in [("q", q_layout), ("k", k_layout), ("v", v_layout)] {
-            let dtype = candle_core::backend::BackendStorage::dtype(q);
-            if !cuda::operand_ok(layout, dtype) || !layout.dims()[3].is_multiple_of(8) {
-                bail!("{OP}: internal error, {name} reached the kernels unprepared ({layout:?})");
-            }
-        }
-        let device = candle_core::Device::Cuda(q.device.clone());
-        let mask = cuda::DeviceMask::new(&self.mask, p, &device)?;
-        let (out, lse) = cuda::forward(p, &mask, (q, q_layout), (k, k_layout), (v, v_layout))?;
-        self.keep_lse(lse)?;
+        let out = self.cuda_forward(
+            (q, q_layout),
+            (k, k_layout),
+            (v, v_layout),
+            cuda::Io::HeadMajor,
+        )?;
         Ok((out, Shape::from((p.batch, p.heads, p.m, p.dv))))
     }
 
     fn bwd(
         &self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
         if q.device().is_cuda() {
-            let (dq, dk, dv) = self.cuda_backward((q, k, v), out, grad_out)?;
+            let grads = self.cuda_backward((q, k, v), out, grad_out, cuda::Io::HeadMajor)?;
+            let cuda::Gradients::Parts(dq, dk, dv) = grads else {
+                bail!("{OP}: internal error, the backward gave a packed gradient");
+            };
             return Ok((Some(dq), Some(dk), Some(dv)));
         }
         let (dq, dk, dv) = if q.dtype() == DType::F64 {

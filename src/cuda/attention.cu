@@ -251,11 +251,11 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&p)[KS][4], const float
     }
 }
 
-// Writes rows [0, 16) of a warp's accumulator (times `factor`) to rows row0.. of a contiguous
-// [rows, cols] output, rows below `rows` and columns below `cols` only.
+// Writes rows [0, 16) of a warp's accumulator (times `factor`) to rows row0.. of an output of
+// row stride `row_stride` (unit column stride), rows below `rows` and columns below `cols` only.
 template <typename T, int N>
-__device__ __forceinline__ void store_rows(T* out, const float (&acc)[N / 8][4], int64_t row0, int64_t rows, int64_t cols,
-                                           float factor0, float factor1, int lane) {
+__device__ __forceinline__ void store_rows(T* out, int64_t row_stride, const float (&acc)[N / 8][4], int64_t row0,
+                                           int64_t rows, int64_t cols, float factor0, float factor1, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -265,7 +265,7 @@ __device__ __forceinline__ void store_rows(T* out, const float (&acc)[N / 8][4],
 #pragma unroll
         for (int nt = 0; nt < N / 8; ++nt) {
             const int col = nt * 8 + 2 * t;
-            if (col < cols) from_float2<T>(out + row * cols + col, acc[nt][2 * half] * f, acc[nt][2 * half + 1] * f);
+            if (col < cols) from_float2<T>(out + row * row_stride + col, acc[nt][2 * half] * f, acc[nt][2 * half + 1] * f);
         }
     }
 }
@@ -371,7 +371,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
     static constexpr int MF = query_tiles<D>(), WARP_ROWS = 16 * MF;
     const AttentionArgs& a;
     KernelMask<MASKS> mask;
-    int64_t qt0, warp_qt, bh, h, i0, rows;
+    int64_t qt0, warp_qt, bh, b, h, i0, rows;
     int64_t kt_first, kt_last;  // generated masks: the key tiles any query of the block may see
     const T* q_tile;
     const T* k_head;
@@ -385,8 +385,9 @@ template <typename T, int D, int MASKS> struct QueryTile {
         qt0 = (row_blocks - 1 - block / heads_total) * MF;
         warp_qt = qt0 + (threadIdx.x >> 5) * WARP_ROWS / BQ;
         bh = block % heads_total;
-        const int64_t b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
+        b = bh / a.heads;
         h = bh % a.heads;
+        const int64_t hk = h / (a.heads / a.kv_heads);
         mask.view.b = b;
         i0 = qt0 * BQ;
         rows = min(static_cast<int64_t>(BQ * MF), a.m - i0);
@@ -582,7 +583,8 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             const int64_t row = row0 + 16 * f + g + half * 8;
             if (t == 0 && row < a.m) lse[bh * a.m + row] = sum > 0.f ? (row_max[f][half] + log2f(sum)) * LN2 : -INFINITY;
         }
-        store_rows<T, D>(out + bh * a.m * a.dv, o[f], row0 + 16 * f, a.m, a.dv, inv[0], inv[1], lane);
+        store_rows<T, D>(out + row_offset(a.o_strides, tile.b, tile.h, 0), a.o_strides[2], o[f], row0 + 16 * f, a.m,
+                         a.dv, inv[0], inv[1], lane);
     }
 }
 
@@ -601,7 +603,8 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
     const QueryTile<T, D, MASKS> tile(a, ops.q, ops.k, ops.v, ops.states, ops.dense, ops.ids);
     const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
     load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
-    load_tile<T, D, 64 * MF>(sdo, ops.grad_out + (bh * a.m + tile.i0) * a.dv, a.dv, tile.rows, a.dv);
+    load_tile<T, D, 64 * MF>(sdo, ops.grad_out + row_offset(a.o_strides, tile.b, tile.h, tile.i0), a.o_strides[2],
+                             tile.rows, a.dv);
 
     float row_lse[MF][2], row_delta[MF][2];
 #pragma unroll
@@ -613,8 +616,9 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
             // The four lanes of a quad share the row: lane t takes columns 8 t.. of every 32.
             float sum = 0.f;
             if (row < a.m) {
-                const T* o_row = ops.out + (bh * a.m + row) * a.dv;
-                const T* g_row = ops.grad_out + (bh * a.m + row) * a.dv;
+                const int64_t at = row_offset(a.o_strides, tile.b, tile.h, row);
+                const T* o_row = ops.out + at;
+                const T* g_row = ops.grad_out + at;
                 for (int64_t col = 8 * t; col < a.dv; col += 32)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_row[col + e]), to_float(g_row[col + e]), sum);
@@ -649,7 +653,8 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
     });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
-        store_rows<T, D>(ops.dq + bh * a.m * a.d, acc[f], row0 + 16 * f, a.m, a.d, a.scale, a.scale, lane);
+        store_rows<T, D>(ops.dq + row_offset(a.dq_strides, tile.b, tile.h, 0), a.dq_strides[2], acc[f], row0 + 16 * f,
+                         a.m, a.d, a.scale, a.scale, lane);
 }
 
 // acc[nt][r] = value(acc[nt][r], the statistic of its column, nt, r) for a warp's accumulator
@@ -735,7 +740,7 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
         const int64_t bh = b * a.heads + h;
         load_tile<T, D>(sq + stage * E, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                         a.q_strides[2], rows, a.d);
-        load_tile<T, D>(sdo + stage * E, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+        load_tile<T, D>(sdo + stage * E, ops.grad_out + row_offset(a.o_strides, b, h, i0), a.o_strides[2], rows, a.dv);
         load_row_stats<THREADS>(s_lse + stage * BQ, s_delta + stage * BQ, ops.lse, ops.delta, bh * a.m + i0, rows);
     };
     auto work = [&](int64_t item, int stage) {
@@ -798,8 +803,11 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
     pipeline<S>(next(-1), end, next, load, work);
     const int64_t row0 = j0 + warp * 16;
     if constexpr ((PARTS & 2) != 0)
-        store_rows<T, D>(ops.dk + bhk * a.n * a.d, acc_dk[0], row0, a.n, a.d, a.scale, a.scale, lane);
-    if constexpr ((PARTS & 1) != 0) store_rows<T, D>(ops.dv + bhk * a.n * a.dv, acc_dv[0], row0, a.n, a.dv, 1.f, 1.f, lane);
+        store_rows<T, D>(ops.dk + row_offset(a.dk_strides, b, hk, 0), a.dk_strides[2], acc_dk[0], row0, a.n, a.d,
+                         a.scale, a.scale, lane);
+    if constexpr ((PARTS & 1) != 0)
+        store_rows<T, D>(ops.dv + row_offset(a.dv_strides, b, hk, 0), a.dv_strides[2], acc_dv[0], row0, a.n, a.dv, 1.f,
+                         1.f, lane);
 }
 
 
@@ -909,7 +917,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
         const int64_t bh = b * a.heads + h;
         load_tile<T, D, 64, BWD_THREADS>(sq + stage * QE, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                                           a.q_strides[2], rows, a.d);
-        load_tile<T, D, 64, BWD_THREADS>(sdo + stage * QE, ops.grad_out + (bh * a.m + i0) * a.dv, a.dv, rows, a.dv);
+        load_tile<T, D, 64, BWD_THREADS>(sdo + stage * QE, ops.grad_out + row_offset(a.o_strides, b, h, i0),
+                                          a.o_strides[2], rows, a.dv);
         load_row_stats<BWD_THREADS>(s_lse + stage * BQ, s_delta + stage * BQ, ops.lse, ops.delta, bh * a.m + i0, rows);
     };
     auto work = [&](int64_t item, int stage) {
@@ -1006,8 +1015,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                 *reinterpret_cast<uint32_t*>(sv + at) = pack2<T>(acc_dv[f][nt][2 * half], acc_dv[f][nt][2 * half + 1]);
             }
     __syncthreads();
-    store_tile<T, D, KB, BWD_THREADS>(ops.dk + (bhk * a.n + j0) * a.d, a.d, sk, keys, a.d);
-    store_tile<T, D, KB, BWD_THREADS>(ops.dv + (bhk * a.n + j0) * a.dv, a.dv, sv, keys, a.dv);
+    store_tile<T, D, KB, BWD_THREADS>(ops.dk + row_offset(a.dk_strides, b, hk, j0), a.dk_strides[2], sk, keys, a.d);
+    store_tile<T, D, KB, BWD_THREADS>(ops.dv + row_offset(a.dv_strides, b, hk, j0), a.dv_strides[2], sv, keys, a.dv);
 }
 
 // The one argument list of the backward kernels, and their operands from it.
@@ -1044,7 +1053,8 @@ __device__ __forceinline__ float dot(const float (&x)[PER_LANE], const float (&y
 }
 
 // delta = rowsum(dO * O) in f32, for the Hopper and one-pass backwards: out and grad_out are
-// contiguous [b * h * m, dv] (dv a multiple of 8 up to 256, rows 16-byte aligned). A row is read
+// [b, h, m, dv] by o_strides (dv a multiple of 8 up to 256, rows 16-byte aligned), delta
+// [b * h * m]. A row is read
 // 16 bytes a lane by `lanes` lanes (the power of two >= dv / 8), so a warp covers 32 / lanes rows
 // a step; it takes DELTA_STEPS steps at once, every load issued before the first sum, and walks
 // the rows grid-strided (any grid is correct; the host sizes it by delta_rows_per_warp).
@@ -1065,8 +1075,10 @@ __device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const
             const int64_t row = first + s * per_step + sub;
             o8[s] = g8[s] = make_uint4(0, 0, 0, 0);  // zero bits: 0 in f16 and bf16
             if (row < rows && chunk < chunks) {
-                o8[s] = *reinterpret_cast<const uint4*>(ops.out + row * a.dv + 8 * chunk);
-                g8[s] = *reinterpret_cast<const uint4*>(ops.grad_out + row * a.dv + 8 * chunk);
+                const int64_t bh = row / a.m;
+                const int64_t at = row_offset(a.o_strides, bh / a.heads, bh % a.heads, row % a.m) + 8 * chunk;
+                o8[s] = *reinterpret_cast<const uint4*>(ops.out + at);
+                g8[s] = *reinterpret_cast<const uint4*>(ops.grad_out + at);
             }
         }
 #pragma unroll
@@ -1111,6 +1123,7 @@ template <typename T> struct QueryRow {
     MaskView mask;
     int64_t row, i, h;
     bool valid;
+    int64_t b;
     const T* q_row;
     const T* k_head;
     const T* v_head;
@@ -1120,7 +1133,9 @@ template <typename T> struct QueryRow {
         : mask{a, states, dense, ids, 0} {
         row = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
         valid = row < a.batch * a.heads * a.m;
-        const int64_t r = valid ? row : 0, bh = r / a.m, b = bh / a.heads, hk = (bh % a.heads) / (a.heads / a.kv_heads);
+        const int64_t r = valid ? row : 0, bh = r / a.m;
+        b = bh / a.heads;
+        const int64_t hk = (bh % a.heads) / (a.heads / a.kv_heads);
         i = r % a.m;
         h = bh % a.heads;
         mask.b = b;
@@ -1152,7 +1167,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32)
         for (int e = 0; e < PER_LANE; ++e) o[e] = fmaf(p, vr[e], o[e] * alpha);
         mx = new_max;
     });
-    store_row(out + row * a.dv, o, sum > 0.f ? 1.f / sum : 0.f, a.dv, lane);
+    store_row(out + row_offset(a.o_strides, w.b, w.h, w.i), o, sum > 0.f ? 1.f / sum : 0.f, a.dv, lane);
     if (lane == 0) lse[row] = sum > 0.f ? (mx + log2f(sum)) * LN2 : -INFINITY;
 }
 
@@ -1164,8 +1179,8 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dq_ro
     const int64_t row = w.row;
     float qr[PER_LANE], gr[PER_LANE], kr[PER_LANE], vr[PER_LANE], acc[PER_LANE] = {};
     load_row(qr, w.q_row, a.d, lane);
-    load_row(gr, grad_out + row * a.dv, a.dv, lane);
-    load_row(vr, out + row * a.dv, a.dv, lane);
+    load_row(gr, grad_out + row_offset(a.o_strides, w.b, w.h, w.i), a.dv, lane);
+    load_row(vr, out + row_offset(a.o_strides, w.b, w.h, w.i), a.dv, lane);
     const float row_lse = lse_log2(lse, row, true), row_delta = dot(gr, vr);
     if (lane == 0) delta[row] = row_delta;
     for_visible_keys(w.mask, w.h, w.i, [&](int64_t j) {
@@ -1176,7 +1191,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dq_ro
 #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) acc[e] = fmaf(ds, kr[e], acc[e]);
     });
-    store_row(dq + row * a.d, acc, a.scale, a.d, lane);
+    store_row(dq + row_offset(a.dq_strides, w.b, w.h, w.i), acc, a.scale, a.d, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_rows_f32(BACKWARD_PARAMS(float)) {
@@ -1199,7 +1214,7 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
             for (int64_t i = qt * BQ; i < end; ++i) {
                 if (state != TILE_FULL && !mask.keeps(h, i, j)) continue;
                 load_row(qr, q + b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.d, lane);
-                load_row(gr, grad_out + (bh * a.m + i) * a.dv, a.dv, lane);
+                load_row(gr, grad_out + row_offset(a.o_strides, b, h, i), a.dv, lane);
                 const float p = exp2f(dot(qr, kr) * a.scale_log2 - lse_log2(lse, bh * a.m + i, true));
                 const float ds = p * (dot(gr, vr) - delta[bh * a.m + i]);
 #pragma unroll
@@ -1210,43 +1225,8 @@ extern "C" __global__ void __launch_bounds__(AC::ROW_WARPS * 32) attention_dkdv_
             }
         }
     }
-    store_row(dk + row * a.d, acc_k, a.scale, a.d, lane);
-    store_row(dv + row * a.dv, acc_v, 1.f, a.dv, lane);
-}
-
-// Whole rows of d elements between the head-major layout [b, heads, n, d] of attention's operands
-// and the token-major layout [b, n, heads, d] of a packed projection (masked_attention_packed), 16
-// bytes a thread: d elements of T are whole 16-byte chunks (the host's condition for the packed
-// op), every tensor contiguous. to_tokens: dq [b, heads, n, d], dk and dv [b, kv_heads, n, d]
-// (kv_heads may be 0) into out [b, n, heads + 2 kv_heads, d]; else (kv_heads 0) dq [b, n, heads,
-// d] into out [b, heads, n, d]. A block per token row (b, t), grid-strided; a row's chunks are
-// the threads'.
-template <typename T>
-__device__ __forceinline__ void move_heads(const T* dq, const T* dk, const T* dv, T* out, const MoveHeadsArgs& a) {
-    const int chunks = static_cast<int>(a.d * int64_t(sizeof(T)) / 16);  // per head row
-    const int heads = static_cast<int>(a.heads), kv_heads = static_cast<int>(a.kv_heads);
-    const int row_chunks = (heads + 2 * kv_heads) * chunks;
-    const uint4* from = reinterpret_cast<const uint4*>(dq);
-    uint4* to = reinterpret_cast<uint4*>(out);
-    for (int64_t row = blockIdx.x; row < a.batch * a.n; row += gridDim.x) {
-        const int64_t b = row / a.n, t = row % a.n;
-        for (int j = threadIdx.x; j < row_chunks; j += blockDim.x) {
-            const int head = j / chunks, c = j - head * chunks;
-            if (a.to_tokens == 0) {
-                to[((b * heads + head) * a.n + t) * chunks + c] = from[row * row_chunks + j];
-                continue;
-            }
-            const T* part;
-            if (head < heads) {
-                part = dq + ((b * heads + head) * a.n + t) * a.d;
-            } else if (head < heads + kv_heads) {
-                part = dk + ((b * kv_heads + head - heads) * a.n + t) * a.d;
-            } else {
-                part = dv + ((b * kv_heads + head - heads - kv_heads) * a.n + t) * a.d;
-            }
-            to[row * row_chunks + j] = reinterpret_cast<const uint4*>(part)[c];
-        }
-    }
+    store_row(dk + row_offset(a.dk_strides, b, hk, j), acc_k, a.scale, a.d, lane);
+    store_row(dv + row_offset(a.dv_strides, b, hk, j), acc_v, 1.f, a.dv, lane);
 }
 
 }  // namespace
@@ -1304,11 +1284,3 @@ __device__ __forceinline__ void move_heads(const T* dq, const T* dk, const T* dv
     }
 ATTENTION_TC_TYPE(__half, f16)
 ATTENTION_TC_TYPE(__nv_bfloat16, bf16)
-#define ATTENTION_MOVE_HEADS(T, RUST)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(AC::MOVE_HEADS_THREADS)                                            \
-        attention_move_heads_##RUST(const T* dq, const T* dk, const T* dv, T* out, MoveHeadsArgs a) {                 \
-        move_heads<T>(dq, dk, dv, out, a);                                                                            \
-    }
-ATTENTION_MOVE_HEADS(__half, f16)
-ATTENTION_MOVE_HEADS(__nv_bfloat16, bf16)
-ATTENTION_MOVE_HEADS(float, f32)

@@ -44,23 +44,26 @@ struct MaskArgs {
 };
 static_assert(sizeof(MaskArgs) == 64, "MaskArgs is mirrored by a Rust #[repr(C)] struct of 64 bytes");
 
+// Every operand's strides are (batch, head, row) in elements, its columns unit-stride: q, k, v
+// (read), out (written by the forward; read with grad_out, which shares its strides, by the
+// backward) and dq, dk, dv (written by the backward). Head-major [b, h, rows, cols] buffers or
+// views of a packed token-major [b, rows, heads, cols] one (masked_attention_packed).
 struct AttentionArgs {
-    int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, row (elements; columns are unit-stride)
+    int64_t q_strides[3], k_strides[3], v_strides[3];
+    int64_t o_strides[3], dq_strides[3], dk_strides[3], dv_strides[3];
     int64_t batch, heads, kv_heads, m, n, d, dv;
     int64_t row_tiles, col_tiles;                      // of 64 queries, of 64 keys
     float scale, scale_log2;                           // scale, scale * log2(e) (> 0, see the host)
     MaskArgs mask;
 };
-static_assert(sizeof(AttentionArgs) == 216, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 216 bytes");
-
-// The sizes of attention_move_heads (masked_attention_packed's layouts); mirrors `MoveHeadsArgs`
-// in src/attention/cuda.rs. to_tokens: 1 head-major to token-major, 0 the other way.
-struct MoveHeadsArgs {
-    int64_t batch, n, heads, kv_heads, d, to_tokens;
-};
-static_assert(sizeof(MoveHeadsArgs) == 48, "MoveHeadsArgs is mirrored by a Rust #[repr(C)] struct of 48 bytes");
+static_assert(sizeof(AttentionArgs) == 312, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 312 bytes");
 
 namespace {
+
+// Element offset of row `row` of head h of batch entry b in an operand with these strides.
+__device__ __forceinline__ int64_t row_offset(const int64_t (&strides)[3], int64_t b, int64_t h, int64_t row) {
+    return b * strides[0] + h * strides[1] + row * strides[2];
+}
 
 // The states of the tiles of one side (64 keys, or 64 queries) for one tile of the other side of a
 // generated mask, worked out once: tiles [lo, hi] hold a position that some position of the tile
@@ -388,7 +391,7 @@ __device__ __forceinline__ float4* dq_fragment(float4* dq_accum, int64_t bh_tile
     return dq_accum + ((block * (BQ / 16) + row16) * (COLS / 8) + col8 % (COLS / 8)) * 32 + lane;
 }
 
-// dq = scale * dq_accum (T [b, h, m, d], contiguous, rows 16-byte aligned) from that layout. A
+// dq = scale * dq_accum (T [b, h, m, d] by dq_strides, rows 16-byte aligned) from that layout. A
 // block of DQ_ROWS_THREADS threads per (query tile, column block) unit, grid-strided: it reads the
 // unit's float4 in order (coalesced), parks the scaled values as T in a row-major shared tile, then
 // writes whole 16-byte pieces of rows (rows below m, columns below d), so that every 32-byte sector
@@ -403,6 +406,7 @@ __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* 
     for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
         const int64_t bh_tile = unit / COL_BLOCKS, bh = bh_tile / a.row_tiles, row0 = (bh_tile % a.row_tiles) * BQ;
         const int64_t col0 = (unit % COL_BLOCKS) * COLS;
+        T* dq_head = dq + row_offset(a.dq_strides, bh / a.heads, bh % a.heads, 0);
         const float4* src = dq_accum + unit * PER_BLOCK;
 #pragma unroll
         for (int k = 0; k < PER_BLOCK / THREADS; ++k) {
@@ -416,7 +420,7 @@ __device__ __forceinline__ void dq_rows(const float4* __restrict__ dq_accum, T* 
         for (int piece = threadIdx.x; piece < PIECES; piece += THREADS) {
             const int row = piece / (COLS / 8), col = piece % (COLS / 8) * 8;
             if (row0 + row < a.m && col0 + col < a.d)
-                *reinterpret_cast<uint4*>(dq + (bh * a.m + row0 + row) * a.d + col0 + col) =
+                *reinterpret_cast<uint4*>(dq_head + (row0 + row) * a.dq_strides[2] + col0 + col) =
                     *reinterpret_cast<const uint4*>(tile + row * LD + col);
         }
         __syncthreads();  // the tile is free for the next unit

@@ -2,7 +2,7 @@
 // compiles this directory for compute_90a only (PTX that loads on compute capability 9.0 and
 // nowhere else); the host picks these kernels on such a GPU for f16 / bf16 with head dims up to 128
 // (the backward when not deterministic) and falls back to src/cuda/attention.cu elsewhere. Same
-// contract as the portable kernels: out [b, h, m, dv] and the natural log-sum-exp [b, h, m], f32
+// contract as the portable kernels: out [b, h, m, dv] (by o_strides) and the natural log-sum-exp [b, h, m], f32
 // softmax statistics, probabilities (and score gradients) rounded to the operand type before their
 // products, a row that sees no key gives zeros, -inf and zero gradients. The backward is described
 // at backward_ws.
@@ -481,7 +481,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         const int64_t row = row0 + half * 8;
         if (row >= a.m) continue;
         if (t == 0) lse[bh * a.m + row] = sum > 0.f ? (row_max[half] + log2f(sum)) * LN2 : -INFINITY;
-        T* dst = out + (bh * a.m + row) * a.dv;
+        T* dst = out + row_offset(a.o_strides, b, h, row);
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
             const int col = nt * 8 + 2 * t;
