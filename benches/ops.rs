@@ -1257,6 +1257,39 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             },
         )?;
     }
+    // The projection as a linear layer gives it, [b, n, 3 h d], to [b, n, h d]:
+    // masked_attention_qkv against masked_attention_packed between the two reshapes a user
+    // writes (each a node of candle's graph, whose backward adds a zero tensor and the gradient).
+    let case = format!("causal b={batch} h={heads} n={n} d={d} qkv projection");
+    if b.wants_case(&case) {
+        if gpu {
+            b.iterations = Some((5, 20));
+        }
+        let qkv = candle_core::Var::from_tensor(&randn(&[batch, n, 3 * heads * d], dtype, &dev)?)?;
+        let mask = AttentionMask::causal();
+        let options = candle_fastops::AttentionOptions::default();
+        let visible_pairs = n * (n + 1) / 2;
+        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
+        b.compare(
+            OP,
+            &format!("{case} fwd+bwd"),
+            dtype,
+            Work::Flops(3.5 * flops),
+            || {
+                candle_fastops::masked_attention_qkv(&qkv, heads, heads, &mask, &options)?
+                    .backward()
+                    .map(drop)
+            },
+            "masked_attention_packed between reshapes, fwd+bwd",
+            || {
+                let qkv4 = qkv.reshape((batch, n, 3 * heads, d))?;
+                candle_fastops::masked_attention_packed(&qkv4, heads, &mask, &options)?
+                    .reshape((batch, n, heads * d))?
+                    .backward()
+                    .map(drop)
+            },
+        )?;
+    }
     b.iterations = None;
     Ok(())
 }

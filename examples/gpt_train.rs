@@ -15,7 +15,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_fastops::optim::{MlpWeights, ParamsSmallFcLOpt, SmallFcLOpt};
-use candle_fastops::{masked_attention_packed, AttentionMask, AttentionOptions};
+use candle_fastops::{masked_attention_qkv, AttentionMask, AttentionOptions};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use std::time::Instant;
 
@@ -185,32 +185,26 @@ impl Gpt {
 
     /// Logits `[batch, seq, 256]` for tokens `[batch, seq]` under `mask`.
     fn forward(&self, tokens: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
-        let (b, t) = tokens.dims2()?;
         let mut x = self.embed.forward(tokens)?.broadcast_add(&self.pos)?;
         let d = x.dim(2)?;
         let dh = d / self.heads;
         for blk in &self.blocks {
-            // One packed projection [b, t, 3 heads, dh] (queries, keys, values): attention reads
-            // its parts in place, and its gradient comes back as one tensor of that shape.
+            // One projection [b, t, 3 d] (each token's query, key and value heads): attention
+            // reads its parts in place, and its gradient comes back as one tensor of that shape.
             // Attention in bf16 on the tensor cores of a GPU, in f32 on the CPU.
             let dtype = if x.device().is_cuda() {
                 DType::BF16
             } else {
                 DType::F32
             };
-            let qkv = blk
-                .qkv
-                .forward(&blk.norm1.forward(&x)?)?
-                .reshape((b, t, 3 * self.heads, dh))?
-                .to_dtype(dtype)?;
+            let qkv = blk.qkv.forward(&blk.norm1.forward(&x)?)?.to_dtype(dtype)?;
             let options = AttentionOptions {
                 scale: Some(1.0 / (dh as f64).sqrt()),
                 ..Default::default()
             };
-            let att =
-                masked_attention_packed(&qkv, self.heads, mask, &options)?.to_dtype(DType::F32)?;
-            // Token-major [b, t, heads, dh]: the reshape is free.
-            let att = att.reshape((b, t, d))?;
+            // [b, t, 3 d] in (the projection as it comes), [b, t, d] out: no reshape nodes.
+            let att = masked_attention_qkv(&qkv, self.heads, self.heads, mask, &options)?
+                .to_dtype(DType::F32)?;
             x = (x + blk.proj.forward(&att)?)?;
             let h = blk.up.forward(&blk.norm2.forward(&x)?)?.gelu()?;
             x = (x + blk.down.forward(&h)?)?;

@@ -162,23 +162,92 @@ pub fn masked_attention_packed(
              multiple of kv_heads = {kv_heads}"
         );
     }
-    let heads = total - 2 * kv_heads;
-    let op = PackedParts { heads, kv_heads };
-    let [q, k, v] = op.views(qkv)?;
+    packed(qkv, total - 2 * kv_heads, kv_heads, mask, options, false)
+}
+
+/// [`masked_attention_packed`] on the projection as a linear layer gives it: `qkv` `[batch, n,
+/// (heads + 2 * kv_heads) * d]` (each token's query heads, then its key heads, then its value
+/// heads, `d` columns each), the result `[batch, n, heads * d]` (what the output projection
+/// takes). The values are those of `masked_attention_packed` on `qkv.reshape((batch, n, heads +
+/// 2 * kv_heads, d))` with the output reshaped to `[batch, n, heads * d]`.
+///
+/// Why a form of its own: candle's backprop pays every node of the graph with a zero tensor and
+/// an add the size of its input's gradient. The two reshapes around `masked_attention_packed`
+/// are two such nodes (the projection's gradient and the output's); here there are none. A `qkv`
+/// that is not contiguous goes through those reshapes (a copy) instead.
+///
+/// Errors: `qkv` not rank 3, `kv_heads` 0, `heads` not a positive multiple of `kv_heads`, a last
+/// dim that is not `(heads + 2 * kv_heads) * d` for a positive `d`; and every error of
+/// [`masked_attention_packed`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fastops::{masked_attention_qkv, AttentionMask, AttentionOptions};
+/// let dev = Device::Cpu;
+/// // batch 2, 5 tokens, 4 query heads and 2 key / value heads of dim 8: 64 columns a token.
+/// let qkv = Tensor::randn(0f32, 1., (2, 5, (4 + 2 * 2) * 8), &dev)?;
+/// let mask = AttentionMask::causal();
+/// let out = masked_attention_qkv(&qkv, 4, 2, &mask, &AttentionOptions::default())?;
+/// assert_eq!(out.dims(), &[2, 5, 4 * 8]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention_qkv(
+    qkv: &Tensor, heads: usize, kv_heads: usize, mask: &AttentionMask, options: &AttentionOptions,
+) -> Result<Tensor> {
+    let &[batch, n, columns] = qkv.dims() else {
+        bail!(
+            "{OP}: qkv must be [batch, n, (heads + 2 * kv_heads) * d], got shape {:?}",
+            qkv.dims()
+        );
+    };
+    if kv_heads == 0 || heads == 0 || !heads.is_multiple_of(kv_heads) {
+        bail!("{OP}: heads = {heads} must be a positive multiple of kv_heads = {kv_heads}");
+    }
+    let total = heads + 2 * kv_heads;
+    if columns == 0 || !columns.is_multiple_of(total) {
+        bail!(
+            "{OP}: qkv's last dim {columns} is not (heads + 2 * kv_heads) * d = {total} * d for \
+             a positive d"
+        );
+    }
+    let d = columns / total;
+    if !qkv.is_contiguous() {
+        let out =
+            masked_attention_packed(&qkv.reshape((batch, n, total, d))?, kv_heads, mask, options)?;
+        return out.reshape((batch, n, heads * d));
+    }
+    packed(qkv, heads, kv_heads, mask, options, true)
+}
+
+/// The packed forms: `qkv` `[b, n, heads + 2 kv_heads, d]`, or `[b, n, (heads + 2 kv_heads) d]`
+/// (contiguous) where `flat`.
+fn packed(
+    qkv: &Tensor, heads: usize, kv_heads: usize, mask: &AttentionMask, options: &AttentionOptions,
+    flat: bool,
+) -> Result<Tensor> {
+    let parts = PackedParts {
+        heads,
+        kv_heads,
+        flat,
+    };
+    let qkv4 = parts.four_dims(qkv)?;
+    let [q, k, v] = parts.views(&qkv4)?;
     let p = problem(&q, &k, &v, options)?;
     mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
     if qkv.elem_count() == 0 || !packed_in_place(&p, [&q, &k, &v]) {
-        return attention(&q, &k, &v, mask, options)?.0.transpose(1, 2);
+        let out = attention(&q, &k, &v, mask, options)?.0.transpose(1, 2)?;
+        return if flat {
+            out.reshape((p.batch, p.n, p.heads * p.dv))
+        } else {
+            Ok(out)
+        };
     }
     let attention = Attention {
         p,
         mask: mask.clone(),
         saved: SavedLse::default(),
     };
-    qkv.apply_op1(PackedAttention {
-        parts: op,
-        attention,
-    })
+    qkv.apply_op1(PackedAttention { parts, attention })
 }
 
 /// Whether the kernels read q, k and v where they lie in the packed tensor (else the view form).
@@ -201,11 +270,14 @@ fn packed_in_place(p: &Problem, parts: [&Tensor; 3]) -> bool {
     }
 }
 
-/// Where q, k and v lie in a packed `[batch, n, heads + 2 * kv_heads, d]` tensor.
+/// Where q, k and v lie in a packed `[batch, n, heads + 2 * kv_heads, d]` tensor (`flat`: one
+/// shaped `[batch, n, (heads + 2 * kv_heads) * d]`, contiguous; the output then `[batch, n, heads
+/// * d]`).
 #[derive(Debug, Clone, Copy)]
 struct PackedParts {
     heads: usize,
     kv_heads: usize,
+    flat: bool,
 }
 
 impl PackedParts {
@@ -215,15 +287,51 @@ impl PackedParts {
         [(0, h), (h, hk), (h + hk, hk)]
     }
 
-    /// q, k and v as `[batch, heads, n, d]` views of `qkv` (candle ops).
+    /// `qkv` as `[batch, n, heads + 2 * kv_heads, d]` (a free reshape where `flat`).
+    fn four_dims(self, qkv: &Tensor) -> Result<Tensor> {
+        if !self.flat {
+            return Ok(qkv.clone());
+        }
+        let (b, n, columns) = qkv.dims3()?;
+        let total = self.heads + 2 * self.kv_heads;
+        qkv.reshape((b, n, total, columns / total))
+    }
+
+    /// `layout` (the op's input's) as the layout of [`Self::four_dims`].
+    fn four_dims_layout(self, layout: &Layout) -> Result<Layout> {
+        if !self.flat {
+            return Ok(layout.clone());
+        }
+        let (b, n, columns) = layout.shape().dims3()?;
+        let total = self.heads + 2 * self.kv_heads;
+        let d = columns / total;
+        let s = layout.stride();
+        Ok(Layout::new(
+            Shape::from((b, n, total, d)),
+            vec![s[0], s[1], d * s[2], s[2]],
+            layout.start_offset(),
+        ))
+    }
+
+    /// The op's output shape for `[b, n, heads, dv]`.
+    fn out_shape(self, p: &Problem) -> Shape {
+        if self.flat {
+            Shape::from((p.batch, p.n, p.heads * p.dv))
+        } else {
+            Shape::from((p.batch, p.n, p.heads, p.dv))
+        }
+    }
+
+    /// q, k and v as `[batch, heads, n, d]` views of the four-dim `qkv` (candle ops).
     fn views(self, qkv: &Tensor) -> Result<[Tensor; 3]> {
         let view = |(first, count): (usize, usize)| qkv.narrow(2, first, count)?.transpose(1, 2);
         let [q, k, v] = self.ranges();
         Ok([view(q)?, view(k)?, view(v)?])
     }
 
-    /// The layouts of those views inside the packed tensor's layout.
+    /// The layouts of those views inside the op's input's layout.
     fn layouts(self, packed: &Layout) -> Result<[Layout; 3]> {
+        let packed = &self.four_dims_layout(packed)?;
         let (b, n, _, d) = packed.shape().dims4()?;
         let s = packed.stride();
         let layout = |(first, count): (usize, usize)| {
@@ -253,7 +361,7 @@ impl candle_core::CustomOp1 for PackedAttention {
         use rayon::prelude::*;
         let [q, k, v] = self.parts.layouts(layout)?;
         let (out, _) = self.attention.cpu_fwd(qkv, &q, qkv, &k, qkv, &v)?;
-        // [b, heads, n, dv] -> [b, n, heads, dv], a task per token row.
+        // [b, heads, n, dv] -> [b, n, heads, dv] (or [b, n, heads * dv]), a task per token row.
         let p = &self.attention.p;
         let (n, heads, dv) = (p.n, p.heads, p.dv);
         let out = crate::dispatch::with_float_cpu!(OP, &out, |src| {
@@ -271,7 +379,7 @@ impl candle_core::CustomOp1 for PackedAttention {
             }
             candle_core::WithDType::to_cpu_storage_owned(moved)
         });
-        Ok((out, Shape::from((p.batch, n, heads, dv))))
+        Ok((out, self.parts.out_shape(p)))
     }
 
     #[cfg(feature = "cuda")]
@@ -283,22 +391,30 @@ impl candle_core::CustomOp1 for PackedAttention {
         let out = self
             .attention
             .cuda_forward((qkv, &q), (qkv, &k), (qkv, &v), cuda::Io::Packed)?;
-        let p = &self.attention.p;
-        Ok((out, Shape::from((p.batch, p.n, p.heads, p.dv))))
+        Ok((out, self.parts.out_shape(&self.attention.p)))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
-        let [q, k, v] = self.parts.views(&qkv.detach())?;
+        let p = &self.attention.p;
+        let [q, k, v] = self.parts.views(&self.parts.four_dims(&qkv.detach())?)?;
+        // out and its gradient as [b, n, heads, dv] (free reshapes of the contiguous output;
+        // a copy of a gradient that is not).
+        let (out, grad_out) = if self.parts.flat {
+            let four = (p.batch, p.n, p.heads, p.dv);
+            (out.reshape(four)?, grad_out.reshape(four)?)
+        } else {
+            (out.clone(), grad_out.clone())
+        };
         #[cfg(feature = "cuda")]
         if qkv.device().is_cuda() {
             // The kernels read out and its gradient token-major and write the packed gradient.
             let grads =
                 self.attention
-                    .cuda_backward((&q, &k, &v), out, grad_out, cuda::Io::Packed)?;
+                    .cuda_backward((&q, &k, &v), &out, &grad_out, cuda::Io::Packed)?;
             let cuda::Gradients::Packed(grads) = grads else {
                 bail!("{OP}: internal error, the packed backward gave separate gradients");
             };
-            return Ok(Some(grads));
+            return Ok(Some(grads.reshape(qkv.shape())?));
         }
         // The attention backward takes its output and gradient head-major, [b, heads, n, dv].
         let (out, grad_out) = (out.transpose(1, 2)?, grad_out.transpose(1, 2)?);
@@ -308,7 +424,9 @@ impl candle_core::CustomOp1 for PackedAttention {
         };
         // [batch, heads + 2 kv_heads, n, d] in one buffer, then in the packed order.
         let grads = Tensor::cat(&[&dq, &dk, &dv], 1)?;
-        Ok(Some(grads.transpose(1, 2)?.contiguous()?))
+        Ok(Some(
+            grads.transpose(1, 2)?.contiguous()?.reshape(qkv.shape())?,
+        ))
     }
 }
 

@@ -6,8 +6,8 @@
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
-    masked_attention, masked_attention_packed, masked_attention_with, masked_attention_with_lse,
-    AttentionMask, AttentionOptions,
+    masked_attention, masked_attention_packed, masked_attention_qkv, masked_attention_with,
+    masked_attention_with_lse, AttentionMask, AttentionOptions,
 };
 
 /// The mask of a test, with its definition for the reference.
@@ -1153,5 +1153,94 @@ fn packed_projection_bad_input_is_a_clear_error() -> Result<()> {
     let empty = Var::from_tensor(&rand_tensor(&[0, 6, 3, 8], 1.0, DType::F32, &dev, 97)?)?;
     let out = masked_attention_packed(&empty, 1, &full, &options)?;
     assert_eq!(out.dims(), &[0, 6, 1, 8]);
+    Ok(())
+}
+
+/// `masked_attention_qkv` (the projection as a linear layer gives it, `[b, n, (h + 2 hk) d]`, out
+/// `[b, n, h d]`) against `masked_attention_packed` on the same projection reshaped: the same
+/// values, and the same gradient of the projection. Contiguous projections take the op itself;
+/// a token window of a longer one (not contiguous) takes the reshaped form.
+#[test]
+fn qkv_projection_matches_the_packed_form() -> Result<()> {
+    for_each_device(|dev| {
+        for dtype in attention_dtypes(dev) {
+            let mut cases = vec![
+                ((2, 37, 4, 2, 16), Spec::Causal, false),
+                (
+                    (1, 29, 3, 3, 8),
+                    Spec::Documents(documents(1, 29, 33), true),
+                    false,
+                ),
+                ((2, 31, 2, 1, 64), Spec::Window(9), true),
+                ((1, 23, 2, 2, 12), Spec::Full, false),
+            ];
+            if dev.is_cuda() {
+                cases.push(((2, 70, 2, 2, 128), Spec::Causal, false));
+            }
+            for ((b, n, h, hk, d), spec, window) in cases {
+                let what = format!("qkv {:?} window {window} {dtype:?}", (b, n, h, hk, d));
+                let total = h + 2 * hk;
+                let rows = if window { n + 4 } else { n };
+                let base =
+                    Var::from_tensor(&rand_tensor(&[b, rows, total * d], 1.0, dtype, dev, 110)?)?;
+                let qkv = if window {
+                    base.narrow(1, 4, n)?
+                } else {
+                    base.as_tensor().clone()
+                };
+                let weights = rand_tensor(&[b, n, h * d], 1.0, dtype, dev, 111)?;
+                let (mask, options) = (spec.mask(dev)?, AttentionOptions::default());
+                let ours = masked_attention_qkv(&qkv, h, hk, &mask, &options)?;
+                assert_eq!(ours.dims(), &[b, n, h * d], "{what}");
+                let grads = (&ours * &weights)?.sum_all()?.backward()?;
+                let got = to_f64(grads.get(&base).expect("the projection's gradient"))?;
+                let packed =
+                    masked_attention_packed(&qkv.reshape((b, n, total, d))?, hk, &mask, &options)?
+                        .reshape((b, n, h * d))?;
+                assert_close(&to_f64(&ours)?, &to_f64(&packed)?, 1e-12, &what);
+                let want_grads = (&packed * &weights)?.sum_all()?.backward()?;
+                let want = to_f64(want_grads.get(&base).expect("the packed form's gradient"))?;
+                assert_close(
+                    &got,
+                    &want,
+                    gradient_tolerance(dtype),
+                    &format!("{what} gradient"),
+                );
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn qkv_projection_bad_input_is_a_clear_error() -> Result<()> {
+    let dev = Device::Cpu;
+    let full = AttentionMask::full();
+    let options = AttentionOptions::default();
+    let err = |shape: &[usize], heads: usize, kv_heads: usize| -> Result<String> {
+        let qkv = rand_tensor(shape, 1.0, DType::F32, &dev, 112)?;
+        Ok(masked_attention_qkv(&qkv, heads, kv_heads, &full, &options)
+            .expect_err("must fail")
+            .to_string())
+    };
+    assert!(err(&[2, 5, 4, 16], 2, 1)?.contains("qkv must be"));
+    assert!(err(&[2, 5, 64], 2, 0)?.contains("positive multiple of kv_heads"));
+    assert!(err(&[2, 5, 64], 0, 1)?.contains("positive multiple of kv_heads"));
+    assert!(err(&[2, 5, 64], 3, 2)?.contains("positive multiple of kv_heads"));
+    assert!(err(&[2, 5, 62], 2, 1)?.contains("last dim 62"));
+    assert!(err(&[2, 5, 0], 2, 1)?.contains("last dim 0"));
+    assert!(err(&[2, 5, 4 * 300], 2, 1)?.contains("head dim"));
+    // An empty batch or sequence gives an empty output.
+    let empty = rand_tensor(&[0, 6, 3 * 8], 1.0, DType::F32, &dev, 113)?;
+    assert_eq!(
+        masked_attention_qkv(&empty, 1, 1, &full, &options)?.dims(),
+        &[0, 6, 8]
+    );
+    let empty = rand_tensor(&[2, 0, 3 * 8], 1.0, DType::F32, &dev, 114)?;
+    assert_eq!(
+        masked_attention_qkv(&empty, 1, 1, &full, &options)?.dims(),
+        &[2, 0, 8]
+    );
     Ok(())
 }
