@@ -126,8 +126,11 @@ pub fn masked_attention_with_lse(
 /// `reshape((batch, n, heads * d))` is free), in the dtype of `qkv`.
 ///
 /// The difference is the backward: the op's one input is `qkv`, so its gradient is one
-/// `[batch, n, heads + 2 * kv_heads, d]` tensor, assembled from dq, dk and dv in one pass on
-/// CUDA (two copies on the CPU).
+/// `[batch, n, heads + 2 * kv_heads, d]` tensor; on CUDA the kernels write the output
+/// token-major and dq, dk and dv straight into their places in that gradient (no copies between
+/// layouts; two copies on the CPU). A projection that comes from a linear layer as `[batch, n,
+/// (heads + 2 * kv_heads) * d]` is best given to [`masked_attention_qkv`], which spares the two
+/// reshapes.
 /// Views taken with candle ops (`narrow`, `transpose`) instead each send a full-size padded
 /// gradient (`narrow`'s backward) and several zero-filled sums through candle's backprop.
 /// Where the kernels cannot read the parts in place (on CUDA: a head dim that is not a multiple

@@ -1068,6 +1068,21 @@ __device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const
     const int64_t rows = a.batch * a.heads * a.m, per_warp = static_cast<int64_t>(per_step) * STEPS;
     const int64_t warp = static_cast<int64_t>(blockIdx.x) * ROW_WARPS + (threadIdx.x >> 5);
     const int64_t stride = static_cast<int64_t>(gridDim.x) * ROW_WARPS * per_warp;
+    // Head-major contiguous rows (masked_attention's) lie at row * dv; others (the packed op's
+    // token-major rows) at their (b, h, i) by o_strides, in 32-bit quotients where rows fit.
+    const bool dense_rows =
+        a.o_strides[2] == a.dv && a.o_strides[1] == a.m * a.dv && a.o_strides[0] == a.heads * a.m * a.dv;
+    const bool rows32 = rows <= 0xffffffffll;
+    const uint32_t m32 = static_cast<uint32_t>(a.m), h32 = static_cast<uint32_t>(a.heads);
+    auto row_at = [&](int64_t row) -> int64_t {
+        if (dense_rows) return row * a.dv;
+        if (rows32) {
+            const uint32_t r = static_cast<uint32_t>(row), bh = r / m32;
+            return row_offset(a.o_strides, bh / h32, bh % h32, r - bh * m32);
+        }
+        const int64_t bh = row / a.m;
+        return row_offset(a.o_strides, bh / a.heads, bh % a.heads, row - bh * a.m);
+    };
     for (int64_t first = warp * per_warp; first < rows; first += stride) {
         uint4 o8[STEPS], g8[STEPS];
 #pragma unroll
@@ -1075,8 +1090,7 @@ __device__ __forceinline__ void delta_rows(const BackwardOperands<T>& ops, const
             const int64_t row = first + s * per_step + sub;
             o8[s] = g8[s] = make_uint4(0, 0, 0, 0);  // zero bits: 0 in f16 and bf16
             if (row < rows && chunk < chunks) {
-                const int64_t bh = row / a.m;
-                const int64_t at = row_offset(a.o_strides, bh / a.heads, bh % a.heads, row % a.m) + 8 * chunk;
+                const int64_t at = row_at(row) + 8 * chunk;
                 o8[s] = *reinterpret_cast<const uint4*>(ops.out + at);
                 g8[s] = *reinterpret_cast<const uint4*>(ops.grad_out + at);
             }
