@@ -1290,6 +1290,49 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             },
         )?;
     }
+    // Token-major q, k, v [b, n, h, d] (as after `rope_thd`) to [b, n, h d]: masked_attention_tokens
+    // against masked_attention on transposed views, its output transposed back and reshaped.
+    let case = format!("causal b={batch} h={heads} n={n} d={d} token-major q k v");
+    if b.wants_case(&case) {
+        if gpu {
+            b.iterations = Some((5, 20));
+        }
+        let var = || -> Result<candle_core::Var> {
+            candle_core::Var::from_tensor(&randn(&[batch, n, heads, d], dtype, &dev)?)
+        };
+        let (q, k, v) = (var()?, var()?, var()?);
+        let mask = AttentionMask::causal();
+        let options = candle_fastops::AttentionOptions::default();
+        let visible_pairs = n * (n + 1) / 2;
+        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
+        b.compare(
+            OP,
+            &format!("{case} fwd+bwd"),
+            dtype,
+            Work::Flops(3.5 * flops),
+            || {
+                candle_fastops::masked_attention_tokens(&q, &k, &v, &mask, &options)?
+                    .reshape((batch, n, heads * d))?
+                    .backward()
+                    .map(drop)
+            },
+            "masked_attention on transposed views (+ transpose, reshape), fwd+bwd",
+            || {
+                let heads_first = |t: &candle_core::Var| t.transpose(1, 2);
+                candle_fastops::masked_attention_with(
+                    &heads_first(&q)?,
+                    &heads_first(&k)?,
+                    &heads_first(&v)?,
+                    &mask,
+                    &options,
+                )?
+                .transpose(1, 2)?
+                .reshape((batch, n, heads * d))?
+                .backward()
+                .map(drop)
+            },
+        )?;
+    }
     b.iterations = None;
     Ok(())
 }

@@ -319,6 +319,10 @@ pub(super) enum Io {
     /// gradient `[b, n, heads + 2 kv_heads, d]` holding dq, dk and dv as qkv holds q, k and v;
     /// both contiguous.
     Packed,
+    /// `masked_attention_tokens`: out `[b, m, heads, dv]`, and dq, dk, dv token-major buffers
+    /// of their own (`[b, m, heads, d]`, `[b, n, kv_heads, d]`, `[b, n, kv_heads, dv]`); all
+    /// contiguous.
+    Tokens,
 }
 
 impl Io {
@@ -326,7 +330,15 @@ impl Io {
     fn out_strides(self, p: &Problem) -> [usize; 3] {
         match self {
             Io::HeadMajor => [p.heads * p.m * p.dv, p.m * p.dv, p.dv],
-            Io::Packed => [p.m * p.heads * p.dv, p.dv, p.heads * p.dv],
+            Io::Packed | Io::Tokens => [p.m * p.heads * p.dv, p.dv, p.heads * p.dv],
+        }
+    }
+
+    /// The output's shape (`[b, heads, m, dv]`, or token-major).
+    fn out_dims(self, p: &Problem) -> [usize; 4] {
+        match self {
+            Io::HeadMajor => [p.batch, p.heads, p.m, p.dv],
+            Io::Packed | Io::Tokens => [p.batch, p.m, p.heads, p.dv],
         }
     }
 
@@ -334,7 +346,7 @@ impl Io {
     fn grad_lens(self, p: &Problem) -> Vec<usize> {
         let (q, kv) = (p.batch * p.heads * p.m, p.batch * p.kv_heads * p.n);
         match self {
-            Io::HeadMajor => vec![q * p.d, kv * p.d, kv * p.dv],
+            Io::HeadMajor | Io::Tokens => vec![q * p.d, kv * p.d, kv * p.dv],
             Io::Packed => vec![q * p.d + 2 * kv * p.d],
         }
     }
@@ -346,6 +358,11 @@ impl Io {
                 (0, 0, [p.heads * p.m * p.d, p.m * p.d, p.d]),
                 (1, 0, [p.kv_heads * p.n * p.d, p.n * p.d, p.d]),
                 (2, 0, [p.kv_heads * p.n * p.dv, p.n * p.dv, p.dv]),
+            ],
+            Io::Tokens => [
+                (0, 0, [p.m * p.heads * p.d, p.d, p.heads * p.d]),
+                (1, 0, [p.n * p.kv_heads * p.d, p.d, p.kv_heads * p.d]),
+                (2, 0, [p.n * p.kv_heads * p.dv, p.dv, p.kv_heads * p.dv]),
             ],
             Io::Packed => {
                 let row = (p.heads + 2 * p.kv_heads) * p.d;
@@ -821,7 +838,8 @@ pub(super) struct BackwardInputs<'a> {
 
 /// The backward's gradients, as its `io` lays them out.
 pub(super) enum Gradients {
-    /// dq, dk and dv (`Io::HeadMajor`), shaped and strided as contiguous q, k and v.
+    /// dq, dk and dv (`Io::HeadMajor`: shaped as q, k and v; `Io::Tokens`: token-major),
+    /// contiguous.
     Parts(Tensor, Tensor, Tensor),
     /// The gradient of the packed `[b, n, heads + 2 kv_heads, d]` input (`Io::Packed`).
     Packed(Tensor),
@@ -845,10 +863,7 @@ pub(super) fn backward(
     p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>, io: Io,
 ) -> Result<Gradients> {
     check_grid(p)?;
-    let out_dims = match io {
-        Io::HeadMajor => [p.batch, p.heads, p.m, p.dv],
-        Io::Packed => [p.batch, p.m, p.heads, p.dv],
-    };
+    let out_dims = io.out_dims(p);
     let laid_out = |t: &Tensor| {
         t.dims() == out_dims
             && t.is_contiguous()
@@ -1010,6 +1025,14 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         };
         Ok(match io {
             Io::HeadMajor => Gradients::Parts(next(q.dims())?, next(k.dims())?, next(v.dims())?),
+            Io::Tokens => {
+                // The operands' head-major dims, token-major.
+                let tokens = |t: &Tensor| {
+                    let d = t.dims();
+                    [d[0], d[2], d[1], d[3]]
+                };
+                Gradients::Parts(next(&tokens(q))?, next(&tokens(k))?, next(&tokens(v))?)
+            }
             Io::Packed => Gradients::Packed(next(&[p.batch, p.n, p.heads + 2 * p.kv_heads, p.d])?),
         })
     };

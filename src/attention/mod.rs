@@ -253,6 +253,73 @@ fn packed(
     qkv.apply_op1(PackedAttention { parts, attention })
 }
 
+/// Attention on token-major operands, the layout of candle-flash-attn and of
+/// `candle_nn::rotary_emb::rope_thd`: `q` `[batch, m, heads, d]`, `k` `[batch, n, kv_heads, d]`,
+/// `v` `[batch, n, kv_heads, dv]`, the result `[batch, m, heads, dv]` (so that `reshape((batch,
+/// m, heads * dv))` is free). The values are those of [`masked_attention_with`] on
+/// `q.transpose(1, 2)`, `k.transpose(1, 2)` and `v.transpose(1, 2)`, transposed back; any m and n
+/// (m < n: decoding with a KV cache, the masks bottom-right aligned as there).
+///
+/// The difference is the backward: the gradients of q, k and v come back token-major like them
+/// (on CUDA the kernels write them there, and the output, in place), where the transposed views
+/// would each send theirs through a `transpose` node, which candle's backprop pays with a zero
+/// tensor and a strided add. Where the kernels cannot read the operands in place (on CUDA: a
+/// head dim that is not a multiple of 8, a negative scale, 16-bit rows off 16-byte boundaries),
+/// this computes exactly that view form instead.
+///
+/// Errors: operands not rank 4; batch, length, head or head-dim mismatches (k and v share n and
+/// kv_heads, q and k share d); `heads` not a positive multiple of `kv_heads`; and every error of
+/// [`masked_attention`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fastops::{masked_attention_tokens, AttentionMask, AttentionOptions};
+/// let dev = Device::Cpu;
+/// // batch 1: 3 new queries over 7 keys (a KV cache), 4 query heads, 2 key / value heads.
+/// let q = Tensor::randn(0f32, 1., (1, 3, 4, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (1, 7, 2, 8), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (1, 7, 2, 8), &dev)?;
+/// let mask = AttentionMask::causal();
+/// let out = masked_attention_tokens(&q, &k, &v, &mask, &AttentionOptions::default())?;
+/// assert_eq!(out.dims(), &[1, 3, 4, 8]); // [batch, m, heads, dv]
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention_tokens(
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
+) -> Result<Tensor> {
+    let dims = |t: &Tensor, name: &str, form: &str| -> Result<[usize; 4]> {
+        match t.dims() {
+            &[a, b, c, d] => Ok([a, b, c, d]),
+            dims => bail!("{OP}: {name} must be {form}, got shape {dims:?}"),
+        }
+    };
+    let [b, _, _, d] = dims(q, "q", "[batch, m, heads, d]")?;
+    let [kb, n, kv_heads, kd] = dims(k, "k", "[batch, n, kv_heads, d]")?;
+    let [vb, vn, vh, _] = dims(v, "v", "[batch, n, kv_heads, dv]")?;
+    if kb != b || vb != b || vn != n || vh != kv_heads || kd != d {
+        bail!(
+            "{OP}: q {:?}, k {:?} and v {:?} do not fit [batch, m, heads, d], [batch, n, kv_heads, \
+             d] and [batch, n, kv_heads, dv]",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    let [qh, kh, vh] = [q, k, v].map(|t| t.transpose(1, 2));
+    let (qh, kh, vh) = (qh?, kh?, vh?);
+    let p = problem(&qh, &kh, &vh, options)?;
+    mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
+    if q.elem_count() == 0 || k.elem_count() == 0 || !packed_in_place(&p, [&qh, &kh, &vh]) {
+        return attention(&qh, &kh, &vh, mask, options)?.0.transpose(1, 2);
+    }
+    let attention = Attention {
+        p,
+        mask: mask.clone(),
+        saved: SavedLse::default(),
+    };
+    q.apply_op3(k, v, TokenAttention { attention })
+}
+
 /// Whether the kernels read q, k and v where they lie in the packed tensor (else the view form).
 fn packed_in_place(p: &Problem, parts: [&Tensor; 3]) -> bool {
     if parts[0].device().is_cpu() {
@@ -361,27 +428,11 @@ impl candle_core::CustomOp1 for PackedAttention {
     }
 
     fn cpu_fwd(&self, qkv: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
         let [q, k, v] = self.parts.layouts(layout)?;
         let (out, _) = self.attention.cpu_fwd(qkv, &q, qkv, &k, qkv, &v)?;
-        // [b, heads, n, dv] -> [b, n, heads, dv] (or [b, n, heads * dv]), a task per token row.
+        // [b, heads, n, dv] -> [b, n, heads, dv] (or [b, n, heads * dv]).
         let p = &self.attention.p;
-        let (n, heads, dv) = (p.n, p.heads, p.dv);
-        let out = crate::dispatch::with_float_cpu!(OP, &out, |src| {
-            let mut moved = src.clone();
-            if heads * dv > 0 {
-                moved
-                    .par_chunks_mut(heads * dv)
-                    .enumerate()
-                    .for_each(|(row, dst)| {
-                        let (b, t) = (row / n, row % n);
-                        for (h, d) in dst.chunks_mut(dv).enumerate() {
-                            d.copy_from_slice(&src[((b * heads + h) * n + t) * dv..][..dv]);
-                        }
-                    });
-            }
-            candle_core::WithDType::to_cpu_storage_owned(moved)
-        });
+        let out = cpu_token_major(&out, (p.heads, p.n, p.dv))?;
         Ok((out, self.parts.out_shape(p)))
     }
 
@@ -430,6 +481,111 @@ impl candle_core::CustomOp1 for PackedAttention {
         Ok(Some(
             grads.transpose(1, 2)?.contiguous()?.reshape(qkv.shape())?,
         ))
+    }
+}
+
+/// A token-major `[b, rows, heads, cols]` layout as the head-major `[b, heads, rows, cols]` view
+/// of the same elements.
+fn heads_first(layout: &Layout) -> Result<Layout> {
+    let (b, rows, heads, cols) = layout.shape().dims4()?;
+    let s = layout.stride();
+    Ok(Layout::new(
+        Shape::from((b, heads, rows, cols)),
+        vec![s[0], s[2], s[1], s[3]],
+        layout.start_offset(),
+    ))
+}
+
+/// A head-major `[b, heads, rows, cols]` CPU result, contiguous, as token-major `[b, rows, heads,
+/// cols]`: a rayon task per token row.
+fn cpu_token_major(
+    out: &CpuStorage, (heads, rows, cols): (usize, usize, usize),
+) -> Result<CpuStorage> {
+    use rayon::prelude::*;
+    Ok(crate::dispatch::with_float_cpu!(OP, out, |src| {
+        let mut moved = src.clone();
+        if heads * cols > 0 {
+            moved
+                .par_chunks_mut(heads * cols)
+                .enumerate()
+                .for_each(|(row, dst)| {
+                    let (b, t) = (row / rows, row % rows);
+                    for (h, d) in dst.chunks_mut(cols).enumerate() {
+                        d.copy_from_slice(&src[((b * heads + h) * rows + t) * cols..][..cols]);
+                    }
+                });
+        }
+        candle_core::WithDType::to_cpu_storage_owned(moved)
+    }))
+}
+
+/// The op of [`masked_attention_tokens`]: [`Attention`] on token-major operands, its output and
+/// its gradients token-major.
+struct TokenAttention {
+    attention: Attention,
+}
+
+impl CustomOp3 for TokenAttention {
+    fn name(&self) -> &'static str {
+        "fastops-masked-attention-tokens"
+    }
+
+    fn cpu_fwd(
+        &self, q: &CpuStorage, q_layout: &Layout, k: &CpuStorage, k_layout: &Layout,
+        v: &CpuStorage, v_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (ql, kl, vl) = (
+            heads_first(q_layout)?,
+            heads_first(k_layout)?,
+            heads_first(v_layout)?,
+        );
+        let (out, _) = self.attention.cpu_fwd(q, &ql, k, &kl, v, &vl)?;
+        let p = &self.attention.p;
+        let out = cpu_token_major(&out, (p.heads, p.m, p.dv))?;
+        Ok((out, Shape::from((p.batch, p.m, p.heads, p.dv))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self, q: &candle_core::CudaStorage, q_layout: &Layout, k: &candle_core::CudaStorage,
+        k_layout: &Layout, v: &candle_core::CudaStorage, v_layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (ql, kl, vl) = (
+            heads_first(q_layout)?,
+            heads_first(k_layout)?,
+            heads_first(v_layout)?,
+        );
+        // The kernels write the output token-major.
+        let out = self
+            .attention
+            .cuda_forward((q, &ql), (k, &kl), (v, &vl), cuda::Io::Tokens)?;
+        let p = &self.attention.p;
+        Ok((out, Shape::from((p.batch, p.m, p.heads, p.dv))))
+    }
+
+    fn bwd(
+        &self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [q, k, v] = [q, k, v].map(|t| t.detach().transpose(1, 2));
+        let (q, k, v) = (q?, k?, v?);
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            // The kernels read out and its gradient token-major and write the gradients so.
+            let grads =
+                self.attention
+                    .cuda_backward((&q, &k, &v), out, grad_out, cuda::Io::Tokens)?;
+            let cuda::Gradients::Parts(dq, dk, dv) = grads else {
+                bail!("{OP}: internal error, the token-major backward gave a packed gradient");
+            };
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
+        let (out, grad_out) = (out.transpose(1, 2)?, grad_out.transpose(1, 2)?);
+        let (Some(dq), Some(dk), Some(dv)) = self.attention.bwd(&q, &k, &v, &out, &grad_out)?
+        else {
+            bail!("{OP}: internal error, the backward left a gradient out");
+        };
+        let tokens = |t: Tensor| t.transpose(1, 2)?.contiguous();
+        Ok((Some(tokens(dq)?), Some(tokens(dk)?), Some(tokens(dv)?)))
     }
 }
 

@@ -6,8 +6,8 @@
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
-    masked_attention, masked_attention_packed, masked_attention_qkv, masked_attention_with,
-    masked_attention_with_lse, AttentionMask, AttentionOptions,
+    masked_attention, masked_attention_packed, masked_attention_qkv, masked_attention_tokens,
+    masked_attention_with, masked_attention_with_lse, AttentionMask, AttentionOptions,
 };
 
 /// The mask of a test, with its definition for the reference.
@@ -1242,5 +1242,145 @@ fn qkv_projection_bad_input_is_a_clear_error() -> Result<()> {
         masked_attention_qkv(&empty, 1, 1, &full, &options)?.dims(),
         &[2, 0, 8]
     );
+    Ok(())
+}
+
+/// How a test's token-major operand `[b, rows, heads, cols]` is laid out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TokenLayout {
+    /// A contiguous tensor.
+    Plain,
+    /// A transposed view of a head-major `[b, heads, rows, cols]` tensor.
+    HeadsFirst,
+    /// Columns 3.. of wider rows (rows off any 16-byte boundary: the view form on CUDA).
+    Columns,
+}
+
+/// A random base tensor and the token-major `[b, rows, heads, cols]` view of it laid out as
+/// `layout` (candle ops, so gradients reach the base).
+fn token_operand(
+    [b, rows, heads, cols]: [usize; 4], layout: TokenLayout, dtype: DType, dev: &Device, salt: u64,
+) -> Result<(Var, Tensor)> {
+    let shape = match layout {
+        TokenLayout::Plain => [b, rows, heads, cols],
+        TokenLayout::HeadsFirst => [b, heads, rows, cols],
+        TokenLayout::Columns => [b, rows, heads, cols + 3],
+    };
+    let base = Var::from_tensor(&rand_tensor(&shape, 1.0, dtype, dev, salt)?)?;
+    let view = match layout {
+        TokenLayout::Plain => base.as_tensor().clone(),
+        TokenLayout::HeadsFirst => base.transpose(1, 2)?,
+        TokenLayout::Columns => base.narrow(3, 3, cols)?,
+    };
+    Ok((base, view))
+}
+
+/// `masked_attention_tokens` (token-major q, k, v and output) against `masked_attention_with` on
+/// the transposed views: the same values and the same gradients of the operands' bases. m < n
+/// (a KV cache), GQA, d != dv, every mask family; d = 12 and column windows take the view form
+/// on CUDA.
+#[test]
+fn token_major_operands_match_the_views() -> Result<()> {
+    for_each_device(|dev| {
+        for dtype in attention_dtypes(dev) {
+            let mut cases = vec![
+                ((2, 37, 37, 4, 2, 16, 16), TokenLayout::Plain, Spec::Causal),
+                ((1, 9, 50, 4, 1, 16, 24), TokenLayout::Plain, Spec::Causal),
+                (
+                    (2, 29, 29, 3, 3, 8, 8),
+                    TokenLayout::HeadsFirst,
+                    Spec::Documents(documents(2, 29, 41), true),
+                ),
+                (
+                    (1, 31, 40, 2, 1, 64, 64),
+                    TokenLayout::Plain,
+                    Spec::Window(11),
+                ),
+                ((1, 23, 23, 2, 2, 12, 12), TokenLayout::Plain, Spec::Full),
+                (
+                    (2, 21, 21, 2, 2, 16, 16),
+                    TokenLayout::Columns,
+                    Spec::Causal,
+                ),
+            ];
+            if dev.is_cuda() {
+                cases.push((
+                    (2, 70, 70, 2, 2, 128, 128),
+                    TokenLayout::HeadsFirst,
+                    Spec::Causal,
+                ));
+            }
+            for ((b, m, n, h, hk, d, dv), layout, spec) in cases {
+                let what = format!("tokens {:?} {layout:?} {dtype:?}", (b, m, n, h, hk, d, dv));
+                let (qb, q) = token_operand([b, m, h, d], layout, dtype, dev, 120)?;
+                let (kb, k) = token_operand([b, n, hk, d], layout, dtype, dev, 121)?;
+                let (vb, v) = token_operand([b, n, hk, dv], layout, dtype, dev, 122)?;
+                let weights = rand_tensor(&[b, m, h, dv], 1.0, dtype, dev, 123)?;
+                let (mask, options) = (spec.mask(dev)?, AttentionOptions::default());
+                let ours = masked_attention_tokens(&q, &k, &v, &mask, &options)?;
+                assert_eq!(ours.dims(), &[b, m, h, dv], "{what}");
+                let grads = (&ours * &weights)?.sum_all()?.backward()?;
+                let views = masked_attention_with(
+                    &q.transpose(1, 2)?,
+                    &k.transpose(1, 2)?,
+                    &v.transpose(1, 2)?,
+                    &mask,
+                    &options,
+                )?
+                .transpose(1, 2)?;
+                assert_close(&to_f64(&ours)?, &to_f64(&views)?, 1e-12, &what);
+                let want = (&views * &weights)?.sum_all()?.backward()?;
+                for (name, base) in [("q", &qb), ("k", &kb), ("v", &vb)] {
+                    let got = grads.get(base).expect("our gradient");
+                    assert_eq!(got.dims(), base.dims(), "{what} {name}");
+                    let expected = want.get(base).expect("the views' gradient");
+                    assert_close(
+                        &to_f64(got)?,
+                        &to_f64(expected)?,
+                        gradient_tolerance(dtype),
+                        &format!("{what} d{name}"),
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn token_major_bad_input_is_a_clear_error() -> Result<()> {
+    let dev = Device::Cpu;
+    let full = AttentionMask::full();
+    let options = AttentionOptions::default();
+    let t = |shape: &[usize]| rand_tensor(shape, 1.0, DType::F32, &dev, 124);
+    let err = |q: &[usize], k: &[usize], v: &[usize]| -> Result<String> {
+        Ok(
+            masked_attention_tokens(&t(q)?, &t(k)?, &t(v)?, &full, &options)
+                .expect_err("must fail")
+                .to_string(),
+        )
+    };
+    assert!(err(&[2, 5, 4 * 8], &[2, 5, 2, 8], &[2, 5, 2, 8])?
+        .contains("q must be [batch, m, heads, d]"));
+    assert!(err(&[2, 5, 4, 8], &[2, 5, 16], &[2, 5, 2, 8])?.contains("k must be"));
+    assert!(err(&[2, 5, 4, 8], &[1, 5, 2, 8], &[1, 5, 2, 8])?.contains("do not fit"));
+    assert!(err(&[2, 5, 4, 8], &[2, 5, 2, 8], &[2, 6, 2, 8])?.contains("do not fit"));
+    assert!(err(&[2, 5, 4, 8], &[2, 5, 2, 8], &[2, 5, 1, 8])?.contains("do not fit"));
+    assert!(err(&[2, 5, 4, 8], &[2, 5, 2, 16], &[2, 5, 2, 8])?.contains("do not fit"));
+    assert!(err(&[2, 5, 3, 8], &[2, 5, 2, 8], &[2, 5, 2, 8])?.contains("multiple of kv_heads"));
+    assert!(err(&[2, 5, 2, 300], &[2, 5, 2, 300], &[2, 5, 2, 8])?.contains("head dim"));
+    let q = t(&[1, 4, 2, 8])?;
+    let k = rand_tensor(&[1, 4, 2, 8], 1.0, DType::F64, &dev, 125)?;
+    assert!(masked_attention_tokens(&q, &k, &k, &full, &options).is_err());
+    // Empty lengths give empty outputs.
+    let out = masked_attention_tokens(
+        &t(&[1, 0, 2, 8])?,
+        &t(&[1, 5, 2, 8])?,
+        &t(&[1, 5, 2, 8])?,
+        &full,
+        &options,
+    )?;
+    assert_eq!(out.dims(), &[1, 0, 2, 8]);
     Ok(())
 }
