@@ -527,6 +527,76 @@ fn masked_attention_past_2_31() -> Result<()> {
     Ok(())
 }
 
+/// masked_attention_tokens with token-major q, k, v, the output and every gradient past 2^31
+/// elements (bf16 `[1, m, 32, 128]`, sliding window 64): token rows `s..e` of every head, cut out
+/// and run on the CPU, give the rows whose keys (for key gradients, also whose queries) lie
+/// inside the cut.
+#[test]
+#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+fn masked_attention_tokens_past_2_31() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (heads, m, d, window) = (32, 524_309, 128, 64);
+    assert!(m * heads * d > BIG);
+    let mask = candle_fastops::AttentionMask::sliding_window(window);
+    let options = candle_fastops::AttentionOptions::default();
+    let bf16 = || uniform(&[1, m, heads, d], &dev)?.to_dtype(DType::BF16);
+    let w = bf16()?;
+    let vars = [
+        Var::from_tensor(&bf16()?)?,
+        Var::from_tensor(&bf16()?)?,
+        Var::from_tensor(&bf16()?)?,
+    ];
+    let out =
+        candle_fastops::masked_attention_tokens(&vars[0], &vars[1], &vars[2], &mask, &options)?;
+    let grads = (&out * &w)?.sum_all()?.backward()?;
+    let cut = 300;
+    let tokens = |t: &Tensor, range: std::ops::Range<usize>| -> Result<Tensor> {
+        t.narrow(1, range.start, range.len())?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)
+    };
+    for s in [0, m / 2, m - cut] {
+        let e = s + cut;
+        let first = if s == 0 { 0 } else { s + window - 1 };
+        let last_key = if e == m { e } else { e - window };
+        let cpu_vars = [
+            Var::from_tensor(&tokens(&vars[0], s..e)?)?,
+            Var::from_tensor(&tokens(&vars[1], s..e)?)?,
+            Var::from_tensor(&tokens(&vars[2], s..e)?)?,
+        ];
+        let want = candle_fastops::masked_attention_tokens(
+            &cpu_vars[0],
+            &cpu_vars[1],
+            &cpu_vars[2],
+            &mask,
+            &options,
+        )?;
+        let want_grads = (&want * tokens(&w, s..e)?)?.sum_all()?.backward()?;
+        let rows = |t: &Tensor, range: std::ops::Range<usize>| -> Result<Vec<f64>> {
+            to_f64(&t.narrow(1, range.start - s, range.len())?)
+        };
+        let what = format!("tokens {s}..{e}");
+        assert_close(
+            &rows(&tokens(&out, s..e)?, first..e)?,
+            &rows(&want, first..e)?,
+            3e-2,
+            &format!("{what} output"),
+        );
+        for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+            let range = if i == 0 { first..e } else { first..last_key };
+            let got = tokens(grads.get(&vars[i]).expect("a gradient"), s..e)?;
+            let want = want_grads.get(&cpu_vars[i]).expect("a gradient");
+            assert_close(
+                &rows(&got, range.clone())?,
+                &rows(want, range)?,
+                5e-2,
+                &format!("{what} {name}"),
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
 fn adamw_past_2_31() -> Result<()> {
