@@ -320,7 +320,8 @@ pub fn masked_attention_tokens(
     q.apply_op3(k, v, TokenAttention { attention })
 }
 
-/// Whether the kernels read q, k and v where they lie in the packed tensor (else the view form).
+/// Whether the kernels read q, k and v where they lie and write the output and gradients in the
+/// packed or token-major layout (else the view form).
 fn packed_in_place(p: &Problem, parts: [&Tensor; 3]) -> bool {
     if parts[0].device().is_cpu() {
         return true;
@@ -328,6 +329,7 @@ fn packed_in_place(p: &Problem, parts: [&Tensor; 3]) -> bool {
     #[cfg(feature = "cuda")]
     {
         p.d.is_multiple_of(8)
+            && p.dv.is_multiple_of(8)
             && p.scale >= 0.0
             && parts
                 .iter()

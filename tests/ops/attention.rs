@@ -1277,8 +1277,8 @@ fn token_operand(
 
 /// `masked_attention_tokens` (token-major q, k, v and output) against `masked_attention_with` on
 /// the transposed views: the same values and the same gradients of the operands' bases. m < n
-/// (a KV cache), GQA, d != dv, every mask family; d = 12 and column windows take the view form
-/// on CUDA.
+/// (a KV cache), GQA, d != dv, every mask family; d = 12, dv = 20 and column windows take the
+/// view form on CUDA.
 #[test]
 fn token_major_operands_match_the_views() -> Result<()> {
     for_each_device(|dev| {
@@ -1286,6 +1286,7 @@ fn token_major_operands_match_the_views() -> Result<()> {
             let mut cases = vec![
                 ((2, 37, 37, 4, 2, 16, 16), TokenLayout::Plain, Spec::Causal),
                 ((1, 9, 50, 4, 1, 16, 24), TokenLayout::Plain, Spec::Causal),
+                ((1, 17, 17, 2, 2, 16, 20), TokenLayout::Plain, Spec::Causal),
                 (
                     (2, 29, 29, 3, 3, 8, 8),
                     TokenLayout::HeadsFirst,
