@@ -1218,22 +1218,22 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
     // projection's) against masked_attention on narrow + transpose views of it (its head-major
     // output transposed and reshaped, a copy; the views' gradients go back through candle's
     // narrow, a zero-padded full-size tensor each).
+    // The three layout cases below share their problem: causal, b h n d, fwd+bwd.
     let (n, d) = if gpu { (4096, 128) } else { (1024, 64) };
+    if gpu {
+        b.iterations = Some((5, 20));
+    }
+    let mask = AttentionMask::causal();
+    let options = candle_fastops::AttentionOptions::default();
+    let fwd_bwd = Work::Flops(3.5 * 4.0 * (batch * heads * n * (n + 1) / 2 * d) as f64);
     let case = format!("causal b={batch} h={heads} n={n} d={d} packed qkv");
     if b.wants_case(&case) {
-        if gpu {
-            b.iterations = Some((5, 20));
-        }
         let qkv = candle_core::Var::from_tensor(&randn(&[batch, n, 3 * heads, d], dtype, &dev)?)?;
-        let mask = AttentionMask::causal();
-        let options = candle_fastops::AttentionOptions::default();
-        let visible_pairs = n * (n + 1) / 2;
-        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
         b.compare(
             OP,
             &format!("{case} fwd+bwd"),
             dtype,
-            Work::Flops(3.5 * flops),
+            fwd_bwd,
             || {
                 candle_fastops::masked_attention_packed(&qkv, heads, &mask, &options)?
                     .reshape((batch, n, heads * d))?
@@ -1262,19 +1262,12 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
     // writes (each a node of candle's graph, whose backward adds a zero tensor and the gradient).
     let case = format!("causal b={batch} h={heads} n={n} d={d} qkv projection");
     if b.wants_case(&case) {
-        if gpu {
-            b.iterations = Some((5, 20));
-        }
         let qkv = candle_core::Var::from_tensor(&randn(&[batch, n, 3 * heads * d], dtype, &dev)?)?;
-        let mask = AttentionMask::causal();
-        let options = candle_fastops::AttentionOptions::default();
-        let visible_pairs = n * (n + 1) / 2;
-        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
         b.compare(
             OP,
             &format!("{case} fwd+bwd"),
             dtype,
-            Work::Flops(3.5 * flops),
+            fwd_bwd,
             || {
                 candle_fastops::masked_attention_qkv(&qkv, heads, heads, &mask, &options)?
                     .backward()
@@ -1294,22 +1287,15 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
     // against masked_attention on transposed views, its output transposed back and reshaped.
     let case = format!("causal b={batch} h={heads} n={n} d={d} token-major q k v");
     if b.wants_case(&case) {
-        if gpu {
-            b.iterations = Some((5, 20));
-        }
         let var = || -> Result<candle_core::Var> {
             candle_core::Var::from_tensor(&randn(&[batch, n, heads, d], dtype, &dev)?)
         };
         let (q, k, v) = (var()?, var()?, var()?);
-        let mask = AttentionMask::causal();
-        let options = candle_fastops::AttentionOptions::default();
-        let visible_pairs = n * (n + 1) / 2;
-        let flops = 4.0 * (batch * heads * visible_pairs * d) as f64;
         b.compare(
             OP,
             &format!("{case} fwd+bwd"),
             dtype,
-            Work::Flops(3.5 * flops),
+            fwd_bwd,
             || {
                 candle_fastops::masked_attention_tokens(&q, &k, &v, &mask, &options)?
                     .reshape((batch, n, heads * d))?

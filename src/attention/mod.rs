@@ -287,15 +287,9 @@ fn packed(
 pub fn masked_attention_tokens(
     q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<Tensor> {
-    let dims = |t: &Tensor, name: &str, form: &str| -> Result<[usize; 4]> {
-        match t.dims() {
-            &[a, b, c, d] => Ok([a, b, c, d]),
-            dims => bail!("{OP}: {name} must be {form}, got shape {dims:?}"),
-        }
-    };
-    let [b, _, _, d] = dims(q, "q", "[batch, m, heads, d]")?;
-    let [kb, n, kv_heads, kd] = dims(k, "k", "[batch, n, kv_heads, d]")?;
-    let [vb, vn, vh, _] = dims(v, "v", "[batch, n, kv_heads, dv]")?;
+    let [b, _, _, d] = rank4(q, "q", "[batch, m, heads, d]")?;
+    let [kb, n, kv_heads, kd] = rank4(k, "k", "[batch, n, kv_heads, d]")?;
+    let [vb, vn, vh, _] = rank4(v, "v", "[batch, n, kv_heads, dv]")?;
     if kb != b || vb != b || vn != n || vh != kv_heads || kd != d {
         bail!(
             "{OP}: q {:?}, k {:?} and v {:?} do not fit [batch, m, heads, d], [batch, n, kv_heads, \
@@ -404,16 +398,10 @@ impl PackedParts {
     /// The layouts of those views inside the op's input's layout.
     fn layouts(self, packed: &Layout) -> Result<[Layout; 3]> {
         let packed = &self.four_dims_layout(packed)?;
-        let (b, n, _, d) = packed.shape().dims4()?;
-        let s = packed.stride();
-        let layout = |(first, count): (usize, usize)| {
-            Layout::new(
-                Shape::from((b, count, n, d)),
-                vec![s[0], s[2], s[1], s[3]],
-                packed.start_offset() + first * s[2],
-            )
-        };
-        Ok(self.ranges().map(layout))
+        let [q, k, v] = self
+            .ranges()
+            .map(|(first, count)| heads_first(&packed.narrow(2, first, count)?));
+        Ok([q?, k?, v?])
     }
 }
 
@@ -672,17 +660,19 @@ fn cuda_attention(
     bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
 }
 
+/// `t`'s four dims, or an error naming it and the `form` it must have.
+fn rank4(t: &Tensor, name: &str, form: &str) -> Result<[usize; 4]> {
+    match t.dims() {
+        &[a, b, c, d] => Ok([a, b, c, d]),
+        dims => bail!("{OP}: {name} must be {form}, got shape {dims:?}"),
+    }
+}
+
 /// Checks the operands and returns the problem's sizes.
 fn problem(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Result<Problem> {
-    let dims = |t: &Tensor, name: &str, form: &str| -> Result<(usize, usize, usize, usize)> {
-        match t.dims() {
-            &[a, b, c, d] => Ok((a, b, c, d)),
-            dims => bail!("{OP}: {name} must be {form}, got shape {dims:?}"),
-        }
-    };
-    let (batch, heads, m, d) = dims(q, "q", "[batch, heads, m, d]")?;
-    let (kb, kv_heads, n, kd) = dims(k, "k", "[batch, kv_heads, n, d]")?;
-    let (vb, vh, vn, dv) = dims(v, "v", "[batch, kv_heads, n, dv]")?;
+    let [batch, heads, m, d] = rank4(q, "q", "[batch, heads, m, d]")?;
+    let [kb, kv_heads, n, kd] = rank4(k, "k", "[batch, kv_heads, n, d]")?;
+    let [vb, vh, vn, dv] = rank4(v, "v", "[batch, kv_heads, n, dv]")?;
     if kb != batch || vb != batch {
         bail!("{OP}: batch sizes differ: q {batch}, k {kb}, v {vb}");
     }
