@@ -56,11 +56,17 @@ impl Bench {
     }
 
     /// Whether a case of a section that honours `FASTOPS_BENCH_CASES` runs: that variable (when
-    /// set) is a comma-separated list of substrings, one of which the case's name must contain
-    /// (for A/B jobs; masked_attention honours it).
+    /// set) is a comma-separated list of substrings, one of which the case's name must contain,
+    /// or, written `^prefix`, begin with (for A/B jobs; masked_attention honours it).
     fn wants_case(&self, case: &str) -> bool {
         match std::env::var("FASTOPS_BENCH_CASES") {
-            Ok(list) => list.split(',').any(|f| case.contains(f.trim())),
+            Ok(list) => list
+                .split(',')
+                .map(str::trim)
+                .any(|f| match f.strip_prefix('^') {
+                    Some(prefix) => case.starts_with(prefix),
+                    None => case.contains(f),
+                }),
             Err(_) => true,
         }
     }
@@ -91,6 +97,11 @@ impl Bench {
             use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
             use candle_core::cuda_backend::WrapErr;
             let stream = cuda.cuda_stream();
+            // FASTOPS_BENCH_COOL_MS=N leaves the GPU idle N ms after each timed call (the host
+            // waits for it, then sleeps), for studies of the board's power limit.
+            let cool = std::env::var("FASTOPS_BENCH_COOL_MS")
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok());
             let mut events = Vec::with_capacity(iters);
             for _ in 0..iters {
                 let start = stream
@@ -101,6 +112,10 @@ impl Bench {
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .w()?;
                 events.push((start, end));
+                if let Some(ms) = cool {
+                    stream.synchronize().w()?;
+                    std::thread::sleep(std::time::Duration::from_millis(ms));
+                }
             }
             for (start, end) in events {
                 samples.push(start.elapsed_ms(&end).w()? as f64 * 1e3);
@@ -1212,6 +1227,37 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 },
             )?;
         }
+        // The forward with its log-sum-exp and the backward as a function, from an output
+        // gradient made beforehand (as the PyTorch anchors' `backward(grad)`): the same kernels
+        // without candle's autograd bookkeeping (the seed, and a zero tensor and an add for each
+        // of q, k and v).
+        let options = candle_fastops::AttentionOptions {
+            scale: Some(scale),
+            ..Default::default()
+        };
+        let grad_out = randn(&[batch, heads, n, d], dtype, &dev)?;
+        b.compare(
+            OP,
+            &format!("{case} fwd+bwd, explicit backward"),
+            dtype,
+            Work::Flops(3.5 * flops),
+            || {
+                let (out, lse) =
+                    candle_fastops::masked_attention_with_lse(&q, &k, &v, &mask, &options)?;
+                candle_fastops::masked_attention_backward(
+                    &q,
+                    &k,
+                    &v,
+                    (&out, &lse),
+                    &grad_out,
+                    &mask,
+                    &options,
+                )
+                .map(drop)
+            },
+            "the same through candle's autograd (`backward()`)",
+            ours,
+        )?;
     }
     // One packed projection [b, n, 3 h, d] (causal) to the output projection's input [b, n, h d]:
     // masked_attention_packed (token-major output, so the reshape is free; its gradient is the

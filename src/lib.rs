@@ -9,7 +9,7 @@
 //! | [`masked_bmm`] / [`masked_bmm_with_plan`] / [`MaskPlan`] | batched matmul masked by a u8 mask, fully masked tiles skipped | implemented (f32-accurate 3-pass TF32 by default, or FMA / TF32 via [`set_f32_matmul`]; f16/bf16 on tensor cores; backward skips empty tiles) |
 //! | [`argmin_matmul`] / [`kmeans_assign`] | argmin over the columns of `a . b` without materialising it (k-means assignment) | implemented (same precision modes) |
 //! | [`softmax_dims`] / [`log_softmax_dims`] | softmax over any set of dims, via a [`ReducePlan`] | implemented |
-//! | [`masked_attention`] / [`masked_attention_with`] / [`masked_attention_with_lse`] / [`masked_attention_packed`] / [`masked_attention_qkv`] / [`masked_attention_tokens`] / [`AttentionMask`] | trainable attention under full, causal, sliding-window, document or dense masks; grouped-query heads; no `m x n` buffer | CPU and CUDA (tensor cores for f16 / bf16, exact f32), forward and backward |
+//! | [`masked_attention`] / [`masked_attention_with`] / [`masked_attention_with_lse`] / [`masked_attention_backward`] / [`masked_attention_combine`] / [`masked_attention_packed`] / [`masked_attention_qkv`] / [`masked_attention_tokens`] / [`AttentionMask`] | trainable attention under full, causal, sliding-window, document or dense masks; grouped-query heads; no `m x n` buffer | CPU and CUDA (tensor cores for f16 / bf16, exact f32), forward and backward |
 //! | [`optim::SmallFcLOpt`] | small_fc_lopt learned optimizer as a `candle_nn::Optimizer`: fused per-element passes (CPU threads; on CUDA one multi-tensor step with the MLP on tensor cores), state save/load | implemented |
 //! | [`optim::AdamW`] | candle_nn's AdamW with the step fused (one pass; one CUDA launch per 48 tensors), state save/load by name | implemented |
 //! | [`dist`] | data-parallel training: NCCL process groups (feature `nccl`) or threads, bucketed gradient all-reduce, `DataParallel`, ZeRO-1 sharded small_fc_lopt, launcher | implemented (measured on one GPU; two-GPU figures pending) |
@@ -80,8 +80,9 @@ mod tile_summary;
 
 pub use activation::Activation;
 pub use attention::{
-    masked_attention, masked_attention_packed, masked_attention_qkv, masked_attention_tokens,
-    masked_attention_with, masked_attention_with_lse, AttentionMask, AttentionOptions,
+    masked_attention, masked_attention_backward, masked_attention_combine, masked_attention_packed,
+    masked_attention_qkv, masked_attention_tokens, masked_attention_with,
+    masked_attention_with_lse, AttentionMask, AttentionOptions,
 };
 pub use bias_add::{bias_add, bias_add_, bias_add_with, BiasAddOptions};
 #[doc(hidden)]

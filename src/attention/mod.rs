@@ -99,8 +99,8 @@ pub fn masked_attention_with(
     Ok(attention(q, k, v, mask, options)?.0)
 }
 
-/// [`masked_attention_with`] and the row log-sum-exp of the scaled, masked scores: f32
-/// `[batch, heads, m]`, natural log, `-inf` for a query that sees no key. Attention over the
+/// [`masked_attention_with`] and the row log-sum-exp of the scaled, masked scores: f32 (f64 for
+/// f64 inputs) `[batch, heads, m]`, natural log, `-inf` for a query that sees no key. Attention over the
 /// union of key sets split in parts is `sum_p exp(lse_p - lse) out_p` with
 /// `lse = log(sum_p exp(lse_p))`. The log-sum-exp carries no gradient.
 pub fn masked_attention_with_lse(
@@ -115,7 +115,206 @@ pub fn masked_attention_with_lse(
         bail!("{OP}: internal error, the forward kept no log-sum-exp");
     };
     // Kept as `[b, h, m]`: f64 from the CPU, f32 from CUDA.
-    Ok((out, lse.to_dtype(DType::F32)?))
+    let dtype = if q.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    Ok((out, lse.to_dtype(dtype)?))
+}
+
+/// Attention over a key set split in parts, from each part's `(out, lse)` as
+/// [`masked_attention_with_lse`] returns them (the same queries; keys and values split, each
+/// part under its own mask): `lse = log(sum_p exp(lse_p))` and `out = sum_p exp(lse_p - lse)
+/// out_p`, computed in f32 (f64 for f64 outputs). A query that sees no key of any part gets a
+/// zero row and `-inf`; one that sees none of a part takes nothing from it.
+///
+/// The result tracks no gradient (the parts' log-sum-exps carry none, so autograd through the
+/// combination would be wrong): to train over split keys, run [`masked_attention_backward`] on
+/// each part with the combined `out` and `lse`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fastops::{masked_attention_combine, masked_attention_with_lse, AttentionMask, AttentionOptions};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (1, 2, 4, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (1, 2, 10, 8), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (1, 2, 10, 8), &dev)?;
+/// let (full, options) = (AttentionMask::full(), AttentionOptions::default());
+/// let part = |start: usize, len: usize| {
+///     let (k, v) = (k.narrow(2, start, len)?, v.narrow(2, start, len)?);
+///     masked_attention_with_lse(&q, &k, &v, &full, &options)
+/// };
+/// let (out, lse) = masked_attention_combine(&[part(0, 6)?, part(6, 4)?])?;
+/// let (whole, whole_lse) = masked_attention_with_lse(&q, &k, &v, &full, &options)?;
+/// let diff = (out - whole)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// let lse_diff = (lse - whole_lse)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-5 && lse_diff < 1e-5);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention_combine(parts: &[(Tensor, Tensor)]) -> Result<(Tensor, Tensor)> {
+    let Some((out0, lse0)) = parts.first() else {
+        bail!("{OP}: combine needs one part at least");
+    };
+    let [batch, heads, m, dv] = rank4(out0, "each part's out", "[batch, heads, m, dv]")?;
+    for (i, (out, lse)) in parts.iter().enumerate() {
+        if out.dims() != out0.dims() || lse.dims() != [batch, heads, m] {
+            bail!(
+                "{OP}: part {i} has out {:?} and lse {:?}; part 0 has out {:?}, so lse must be {:?}",
+                out.dims(),
+                lse.dims(),
+                out0.dims(),
+                [batch, heads, m]
+            );
+        }
+        if out.dtype() != out0.dtype() || lse.dtype() != lse0.dtype() {
+            bail!(
+                "{OP}: part {i} is {:?} / {:?} (out / lse), part 0 {:?} / {:?}",
+                out.dtype(),
+                lse.dtype(),
+                out0.dtype(),
+                lse0.dtype()
+            );
+        }
+        if !matches!(lse.dtype(), DType::F32 | DType::F64) {
+            bail!("{OP}: lse must be f32 or f64, got {:?}", lse.dtype());
+        }
+        for t in [out, lse] {
+            if !t.device().same_device(out0.device()) {
+                bail!(
+                    "{OP}: device mismatch, part 0 is on {:?} but part {i} on {:?}",
+                    out0.device().location(),
+                    t.device().location()
+                );
+            }
+        }
+    }
+    let acc = if out0.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let lses = parts
+        .iter()
+        .map(|(_, lse)| lse.detach().to_dtype(acc))
+        .collect::<Result<Vec<_>>>()?;
+    let lses = Tensor::stack(&lses, 0)?; // [parts, b, h, m]
+    let max = lses.max_keepdim(0)?;
+    // Rows no part sees: max -inf, taken as 0 so that every exp below is exp(-inf) = 0.
+    let top = max
+        .ne(f64::NEG_INFINITY)?
+        .where_cond(&max, &max.zeros_like()?)?;
+    let weights = lses.broadcast_sub(&top)?.exp()?;
+    let sum = weights.sum_keepdim(0)?;
+    let lse = (top + sum.log()?)?.squeeze(0)?;
+    let seen = sum.gt(0.0)?;
+    let weights = weights.broadcast_div(&seen.where_cond(&sum, &sum.ones_like()?)?)?;
+    let mut out = Tensor::zeros((batch, heads, m, dv), acc, out0.device())?;
+    for (p, (part, _)) in parts.iter().enumerate() {
+        let w = weights.get(p)?.unsqueeze(3)?;
+        out = (out + part.detach().to_dtype(acc)?.broadcast_mul(&w)?)?;
+    }
+    Ok((out.to_dtype(out0.dtype())?, lse.to_dtype(lse0.dtype())?))
+}
+
+/// The backward of [`masked_attention_with`] as a function, outside candle's autograd: the
+/// gradients `(dq, dk, dv)` of a loss whose gradient with respect to the output is `grad_out`,
+/// from the forward's output and log-sum-exp as [`masked_attention_with_lse`] returns them.
+///
+/// * `q`, `k`, `v`, `mask` and `options` as the forward took them; `out` and `grad_out`
+///   `[batch, heads, m, dv]` in the dtype of `q`, any layout; `lse` `[batch, heads, m]`, f32 or
+///   f64 (as the forward gives it for f64 inputs). Gradients shaped as `q`, `k` and `v`, in their dtype, tracking no graph.
+/// * The kernels and the numerics are those of the autograd backward (the same tolerances; the
+///   same bits in deterministic mode). What this form leaves out is candle's bookkeeping around
+///   a `backward()` call: the seed of the output gradient, and a zero tensor plus an add for each
+///   of q, k and v.
+/// * Keys split in parts (ring or context-parallel attention): with `out` and `lse` those of the
+///   whole key set (combined from the parts' forwards as [`masked_attention_with_lse`] says),
+///   each part's call gives that part's exact share: dq is the sum of the parts' dq, and each
+///   part's dk and dv are its keys' gradients.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_fastops::{
+///     masked_attention_backward, masked_attention_with, masked_attention_with_lse, AttentionMask,
+///     AttentionOptions,
+/// };
+/// let dev = Device::Cpu;
+/// let (q, k, v) = (
+///     Var::randn(0f32, 1., (1, 2, 6, 8), &dev)?,
+///     Var::randn(0f32, 1., (1, 2, 6, 8), &dev)?,
+///     Var::randn(0f32, 1., (1, 2, 6, 8), &dev)?,
+/// );
+/// let (mask, options) = (AttentionMask::causal(), AttentionOptions::default());
+/// let grad_out = Tensor::randn(0f32, 1., (1, 2, 6, 8), &dev)?;
+/// let (out, lse) = masked_attention_with_lse(&q, &k, &v, &mask, &options)?;
+/// let (dq, _dk, _dv) =
+///     masked_attention_backward(&q, &k, &v, (&out, &lse), &grad_out, &mask, &options)?;
+/// // The same as autograd's.
+/// let loss = (masked_attention_with(&q, &k, &v, &mask, &options)? * &grad_out)?.sum_all()?;
+/// let grads = loss.backward()?;
+/// let diff = (dq - grads.get(&q).unwrap())?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-5);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn masked_attention_backward(
+    q: &Tensor, k: &Tensor, v: &Tensor, (out, lse): (&Tensor, &Tensor), grad_out: &Tensor,
+    mask: &AttentionMask, options: &AttentionOptions,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let p = problem(q, k, v, options)?;
+    mask.check(p.batch, p.heads, p.m, p.n, q.device())?;
+    let out_dims = [p.batch, p.heads, p.m, p.dv];
+    for (name, t) in [("out", out), ("grad_out", grad_out)] {
+        if t.dims() != out_dims {
+            bail!(
+                "{OP}: {name} must be [batch, heads, m, dv] = {out_dims:?}, got shape {:?}",
+                t.dims()
+            );
+        }
+        if t.dtype() != q.dtype() {
+            bail!(
+                "{OP}: dtype mismatch, q is {:?} but {name} is {:?}",
+                q.dtype(),
+                t.dtype()
+            );
+        }
+    }
+    if lse.dims() != [p.batch, p.heads, p.m] {
+        bail!(
+            "{OP}: lse must be [batch, heads, m] = {:?}, got shape {:?}",
+            [p.batch, p.heads, p.m],
+            lse.dims()
+        );
+    }
+    if !matches!(lse.dtype(), DType::F32 | DType::F64) {
+        bail!(
+            "{OP}: lse must be f32 (as masked_attention_with_lse gives it) or f64, got {:?}",
+            lse.dtype()
+        );
+    }
+    for (name, t) in [("out", out), ("lse", lse), ("grad_out", grad_out)] {
+        if !t.device().same_device(q.device()) {
+            bail!(
+                "{OP}: device mismatch, q is on {:?} but {name} on {:?}",
+                q.device().location(),
+                t.device().location()
+            );
+        }
+    }
+    let [q, k, v, out, lse, grad_out] = [q, k, v, out, lse, grad_out].map(Tensor::detach);
+    if q.device().is_cuda() {
+        return cuda_attention_backward((&q, &k, &v), (&out, &lse), &grad_out, mask, p);
+    }
+    let op = Attention {
+        p,
+        mask: mask.clone(),
+        saved: Arc::new(Mutex::new(Some(lse.to_dtype(DType::F64)?))),
+    };
+    if q.dtype() == DType::F64 {
+        op.cpu_backward::<f64>((&q, &k, &v), &out, &grad_out)
+    } else {
+        op.cpu_backward::<f32>((&q, &k, &v), &out, &grad_out)
+    }
 }
 
 /// Attention over one packed projection: `qkv` `[batch, n, heads + 2 * kv_heads, d]` holds the
@@ -617,35 +816,46 @@ fn attention(
 
 /// The CUDA kernels need head dims that are a multiple of 8 and operands with unit column strides
 /// (16-bit: 16-byte aligned rows): other head dims are padded with zeros (which change no score
-/// and give output columns that are cut off), other layouts copied. The padding and copies are
-/// candle ops, so gradients flow back through them.
+/// and give output columns that are cut off), other layouts copied. The kernels take a positive
+/// scale: softmax(scale q kᵀ) = softmax(-scale (-q) kᵀ). The padding and copies are candle ops,
+/// so gradients flow back through them. Returns q, k, v so prepared and the problem they pose.
 #[cfg(feature = "cuda")]
-fn cuda_attention(
-    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, p: Problem,
-) -> Result<(Tensor, SavedLse)> {
+fn cuda_operands(q: &Tensor, k: &Tensor, v: &Tensor, p: Problem) -> Result<([Tensor; 3], Problem)> {
     let (d, dv) = (p.d.next_multiple_of(8), p.dv.next_multiple_of(8));
-    let operand = |t: &Tensor, dim: usize| -> Result<Tensor> {
-        cuda::kernel_operand(if t.dim(3)? == dim {
-            t.clone()
-        } else {
-            t.pad_with_zeros(3, 0, dim - t.dim(3)?)?
-        })
-    };
-    // The kernels take a positive scale: softmax(scale q kᵀ) = softmax(-scale (-q) kᵀ).
     let (q, scale) = if p.scale < 0.0 {
         (q.neg()?, -p.scale)
     } else {
         (q.clone(), p.scale)
     };
-    let (q2, k2, v2) = (operand(&q, d)?, operand(k, d)?, operand(v, dv)?);
+    let operands = [(&q, d), (k, d), (v, dv)].map(|(t, dim)| cuda::kernel_operand(pad_to(t, dim)?));
+    let [q, k, v] = operands;
+    Ok(([q?, k?, v?], Problem { d, dv, scale, ..p }))
+}
+
+/// `t` with its last dim padded with zeros to `dim`.
+#[cfg(feature = "cuda")]
+fn pad_to(t: &Tensor, dim: usize) -> Result<Tensor> {
+    let last = t.dim(3)?;
+    if last == dim {
+        Ok(t.clone())
+    } else {
+        t.pad_with_zeros(3, 0, dim - last)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_attention(
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, p: Problem,
+) -> Result<(Tensor, SavedLse)> {
+    let ([q2, k2, v2], padded) = cuda_operands(q, k, v, p)?;
     let saved = SavedLse::default();
     let op = Attention {
-        p: Problem { d, dv, scale, ..p },
+        p: padded,
         mask: mask.clone(),
         saved: saved.clone(),
     };
     let out = q2.apply_op3(&k2, &v2, op)?;
-    let out = if dv == p.dv {
+    let out = if padded.dv == p.dv {
         out
     } else {
         out.narrow(3, 0, p.dv)?
@@ -653,10 +863,49 @@ fn cuda_attention(
     Ok((out, saved))
 }
 
+/// [`masked_attention_backward`] on CUDA: the operands prepared as the forward prepares them,
+/// `out` and `grad_out` padded as v is (zero columns add nothing to rowsum(dO O)), the gradients
+/// cut back to the problem's head dims.
+#[cfg(feature = "cuda")]
+fn cuda_attention_backward(
+    (q, k, v): (&Tensor, &Tensor, &Tensor), (out, lse): (&Tensor, &Tensor), grad_out: &Tensor,
+    mask: &AttentionMask, p: Problem,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let ([q2, k2, v2], padded) = cuda_operands(q, k, v, p)?;
+    let op = Attention {
+        p: padded,
+        mask: mask.clone(),
+        saved: Arc::new(Mutex::new(Some(lse.to_dtype(DType::F32)?.contiguous()?))),
+    };
+    let (out, grad_out) = (pad_to(out, padded.dv)?, pad_to(grad_out, padded.dv)?);
+    let grads = op.cuda_backward((&q2, &k2, &v2), &out, &grad_out, cuda::Io::HeadMajor)?;
+    let cuda::Gradients::Parts(dq, dk, dv) = grads else {
+        bail!("{OP}: internal error, the backward gave a packed gradient");
+    };
+    let cut = |t: Tensor, dim: usize| -> Result<Tensor> {
+        if t.dim(3)? == dim {
+            Ok(t)
+        } else {
+            t.narrow(3, 0, dim)?.contiguous()
+        }
+    };
+    let dq = cut(dq, p.d)?;
+    let dq = if p.scale < 0.0 { dq.neg()? } else { dq };
+    Ok((dq, cut(dk, p.d)?, cut(dv, p.dv)?))
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda_attention(
     _: &Tensor, _: &Tensor, _: &Tensor, _: &AttentionMask, _: Problem,
 ) -> Result<(Tensor, SavedLse)> {
+    bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_attention_backward(
+    _: (&Tensor, &Tensor, &Tensor), _: (&Tensor, &Tensor), _: &Tensor, _: &AttentionMask,
+    _: Problem,
+) -> Result<(Tensor, Tensor, Tensor)> {
     bail!("{OP}: this build has no CUDA support (the `cuda` feature)")
 }
 

@@ -6,8 +6,9 @@
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_fastops::{
-    masked_attention, masked_attention_packed, masked_attention_qkv, masked_attention_tokens,
-    masked_attention_with, masked_attention_with_lse, AttentionMask, AttentionOptions,
+    masked_attention, masked_attention_backward, masked_attention_combine, masked_attention_packed,
+    masked_attention_qkv, masked_attention_tokens, masked_attention_with,
+    masked_attention_with_lse, AttentionMask, AttentionOptions,
 };
 
 /// The mask of a test, with its definition for the reference.
@@ -1383,5 +1384,362 @@ fn token_major_bad_input_is_a_clear_error() -> Result<()> {
         &options,
     )?;
     assert_eq!(out.dims(), &[1, 0, 2, 8]);
+    Ok(())
+}
+
+/// `masked_attention_backward` gives autograd's gradients: the same values in deterministic mode,
+/// within the gradient tolerance otherwise (dq summed in a varying order), over the kernel paths
+/// (head dims padded to 64 and 128, the one-pass backward at head tile 128, a dense mask, a
+/// negative scale) and operand layouts (strided and offset views).
+#[test]
+fn explicit_backward_matches_autograd() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, h, hk) = (2, 4, 2);
+        let docs = Spec::Documents(documents(b, 133, 90), true);
+        let dense = Spec::Dense(random_bytes(b * h * 70 * 133, 0.3, 91), [b, h, 70, 133], 4);
+        let cases = [
+            ("causal", Spec::Causal, (70, 133, 16, 24), 0.4, Views::Plain),
+            ("documents", docs, (133, 133, 16, 24), 0.4, Views::Plain),
+            (
+                "dense per head, d 96",
+                dense,
+                (70, 133, 96, 72),
+                0.4,
+                Views::Plain,
+            ),
+            (
+                "window, d 128",
+                Spec::Window(40),
+                (70, 133, 128, 96),
+                0.4,
+                Views::Plain,
+            ),
+            (
+                "causal, scale -0.3",
+                Spec::Causal,
+                (70, 133, 16, 24),
+                -0.3,
+                Views::Plain,
+            ),
+            (
+                "causal, packed views",
+                Spec::Causal,
+                (70, 133, 64, 64),
+                0.2,
+                Views::Packed,
+            ),
+            (
+                "full, offset views",
+                Spec::Full,
+                (70, 133, 40, 24),
+                0.2,
+                Views::Offset,
+            ),
+        ];
+        for (name, spec, (m, n, d, dv), scale, views) in cases {
+            let mask = spec.mask(dev)?;
+            for deterministic in [false, true] {
+                let options = AttentionOptions {
+                    scale: Some(scale),
+                    deterministic: Some(deterministic),
+                    ..Default::default()
+                };
+                for dtype in attention_dtypes(dev) {
+                    let what = format!("{name} {dtype:?} deterministic {deterministic}");
+                    let (q, k, v) = inputs((b, h, hk, m, n, d, dv), dtype, dev, views, 92)?;
+                    let vars = [&q, &k, &v].map(Var::from_tensor);
+                    let [qv, kv, vv] = [&vars[0], &vars[1], &vars[2]].map(|v| v.as_ref().unwrap());
+                    let grad_out = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 93)?;
+                    let (out, lse) = masked_attention_with_lse(qv, kv, vv, &mask, &options)?;
+                    let autograd = (out.clone() * &grad_out)?.sum_all()?.backward()?;
+                    let explicit = masked_attention_backward(
+                        &q,
+                        &k,
+                        &v,
+                        (&out, &lse),
+                        &grad_out,
+                        &mask,
+                        &options,
+                    )?;
+                    let explicit = [explicit.0, explicit.1, explicit.2];
+                    for ((which, var), got) in
+                        ["q", "k", "v"].iter().zip([qv, kv, vv]).zip(&explicit)
+                    {
+                        assert_eq!(got.dims(), var.dims(), "{what} d{which} shape");
+                        assert_eq!(got.dtype(), dtype, "{what} d{which} dtype");
+                        let want = to_f64(autograd.get(var).expect("a gradient"))?;
+                        let got = to_f64(got)?;
+                        if deterministic {
+                            assert!(
+                                got.iter().zip(&want).all(|(a, b)| a == b),
+                                "{what} d{which}: differs from autograd's"
+                            );
+                        } else {
+                            assert_close(
+                                &got,
+                                &want,
+                                gradient_tolerance(dtype),
+                                &format!("{what} d{which}"),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+/// Keys split in two parts, as ring attention splits them: the parts' forwards combined by their
+/// log-sum-exps give the whole output, and each part's backward with the whole output and
+/// log-sum-exp gives its share of the gradients (dq summed, dk and dv concatenated), which must
+/// match the gradients of attention over all the keys. Some rows see no key of one part; the
+/// dense mask keeps every row one key at least.
+#[test]
+fn split_keys_backward_sums_to_the_whole() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, h, hk, m, n, d, dv) = (2, 4, 2, 70, 133, 32, 24);
+        let split = 69;
+        let mut bytes = random_bytes(m * n, 0.25, 95);
+        for i in 0..m {
+            bytes[i * n + (i * 7) % n] = 1;
+            if i % 5 == 0 {
+                // Rows that see no key of the first part.
+                bytes[i * n..i * n + split].iter_mut().for_each(|x| *x = 0);
+                bytes[i * n + split + i % (n - split)] = 1;
+            }
+        }
+        let part_bytes = |cols: std::ops::Range<usize>| -> Vec<u8> {
+            (0..m)
+                .flat_map(|i| bytes[i * n + cols.start..i * n + cols.end].to_vec())
+                .collect()
+        };
+        let whole = Spec::Dense(bytes.clone(), [1, 1, m, n], 2).mask(dev)?;
+        let parts = [(0..split), (split..n)].map(|cols| {
+            let width = cols.len();
+            (
+                cols.clone(),
+                Spec::Dense(part_bytes(cols), [1, 1, m, width], 2),
+            )
+        });
+        let options = AttentionOptions {
+            scale: Some(0.3),
+            ..Default::default()
+        };
+        for dtype in attention_dtypes(dev) {
+            let (q, k, v) = inputs((b, h, hk, m, n, d, dv), dtype, dev, Views::Plain, 96)?;
+            let grad_out = rand_tensor(&[b, h, m, dv], 1.0, dtype, dev, 97)?;
+            let mut forwards = Vec::new();
+            for (cols, spec) in &parts {
+                let (kp, vp) = (
+                    k.narrow(2, cols.start, cols.len())?,
+                    v.narrow(2, cols.start, cols.len())?,
+                );
+                let (out, lse) =
+                    masked_attention_with_lse(&q, &kp, &vp, &spec.mask(dev)?, &options)?;
+                forwards.push((to_f64(&out)?, to_f64(&lse)?));
+            }
+            // lse = log(exp(lse_1) + exp(lse_2)); out = sum_p exp(lse_p - lse) out_p.
+            let rows = b * h * m;
+            let mut out = vec![0.0; rows * dv];
+            let mut lse = vec![0.0; rows];
+            for r in 0..rows {
+                let (l1, l2) = (forwards[0].1[r], forwards[1].1[r]);
+                let top = l1.max(l2);
+                lse[r] = top + ((l1 - top).exp() + (l2 - top).exp()).ln();
+                for (out_p, lse_p) in &forwards {
+                    let w = (lse_p[r] - lse[r]).exp();
+                    for c in 0..dv {
+                        out[r * dv + c] += w * out_p[r * dv + c];
+                    }
+                }
+            }
+            let out = Tensor::from_vec(out, (b, h, m, dv), dev)?.to_dtype(dtype)?;
+            let lse_dtype = if dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            let lse = Tensor::from_vec(lse, (b, h, m), dev)?.to_dtype(lse_dtype)?;
+            let mut dq: Option<Tensor> = None;
+            let (mut dks, mut dvs) = (Vec::new(), Vec::new());
+            for (cols, spec) in &parts {
+                let (kp, vp) = (
+                    k.narrow(2, cols.start, cols.len())?,
+                    v.narrow(2, cols.start, cols.len())?,
+                );
+                let (dqp, dkp, dvp) = masked_attention_backward(
+                    &q,
+                    &kp,
+                    &vp,
+                    (&out, &lse),
+                    &grad_out,
+                    &spec.mask(dev)?,
+                    &options,
+                )?;
+                let dqp = dqp.to_dtype(DType::F64)?;
+                dq = Some(match dq {
+                    Some(sum) => (sum + dqp)?,
+                    None => dqp,
+                });
+                dks.push(dkp);
+                dvs.push(dvp);
+            }
+            let vars = [&q, &k, &v].map(Var::from_tensor);
+            let [qv, kv, vv] = [&vars[0], &vars[1], &vars[2]].map(|v| v.as_ref().unwrap());
+            let grads = (masked_attention_with(qv, kv, vv, &whole, &options)? * &grad_out)?
+                .sum_all()?
+                .backward()?;
+            let got = [
+                dq.expect("two parts"),
+                Tensor::cat(&dks, 2)?,
+                Tensor::cat(&dvs, 2)?,
+            ];
+            for ((which, var), got) in ["q", "k", "v"].iter().zip([qv, kv, vv]).zip(&got) {
+                assert_close(
+                    &to_f64(got)?,
+                    &to_f64(grads.get(var).expect("a gradient"))?,
+                    gradient_tolerance(dtype),
+                    &format!("split keys {dtype:?} d{which}"),
+                );
+            }
+        }
+        Ok(())
+    });
+    Ok(())
+}
+
+#[test]
+fn explicit_backward_bad_input_is_a_clear_error() -> Result<()> {
+    let dev = Device::Cpu;
+    let causal = AttentionMask::causal();
+    let options = AttentionOptions::default();
+    let t = |shape: &[usize], dtype: DType| rand_tensor(shape, 1.0, dtype, &dev, 98);
+    let (q, k, v) = (
+        t(&[1, 4, 5, 8], DType::F32)?,
+        t(&[1, 2, 7, 8], DType::F32)?,
+        t(&[1, 2, 7, 6], DType::F32)?,
+    );
+    let (out, lse) = masked_attention_with_lse(&q, &k, &v, &causal, &options)?;
+    let grad_out = t(&[1, 4, 5, 6], DType::F32)?;
+    let err = |q: &Tensor, out: &Tensor, lse: &Tensor, grad_out: &Tensor| -> String {
+        masked_attention_backward(q, &k, &v, (out, lse), grad_out, &causal, &options)
+            .expect_err("must fail")
+            .to_string()
+    };
+    assert!(err(&q, &out.narrow(3, 0, 5)?, &lse, &grad_out)
+        .contains("out must be [batch, heads, m, dv]"));
+    assert!(err(&q, &out, &lse, &t(&[1, 4, 6, 6], DType::F32)?).contains("grad_out must be"));
+    assert!(err(&q, &out, &lse, &grad_out.to_dtype(DType::F64)?).contains("dtype mismatch"));
+    assert!(
+        err(&q, &out, &lse.narrow(2, 0, 4)?, &grad_out).contains("lse must be [batch, heads, m]")
+    );
+    assert!(err(&q, &out, &lse.to_dtype(DType::BF16)?, &grad_out).contains("lse must be f32"));
+    assert!(err(&t(&[1, 4, 5], DType::F32)?, &out, &lse, &grad_out).contains("q must be"));
+    assert!(
+        err(&t(&[1, 3, 5, 8], DType::F32)?, &out, &lse, &grad_out).contains("multiple of kv_heads")
+    );
+    // A dense mask of the wrong shape.
+    let dense = AttentionMask::dense(&Tensor::ones((5, 6), DType::U8, &dev)?)?;
+    assert!(
+        masked_attention_backward(&q, &k, &v, (&out, &lse), &grad_out, &dense, &options).is_err()
+    );
+    // The same inputs, well formed, give the gradients.
+    let (dq, dk, dv) =
+        masked_attention_backward(&q, &k, &v, (&out, &lse), &grad_out, &causal, &options)?;
+    assert_eq!(
+        (dq.dims(), dk.dims(), dv.dims()),
+        (q.dims(), k.dims(), v.dims())
+    );
+    Ok(())
+}
+
+/// Keys split in three uneven parts under a dense mask: `masked_attention_combine` of the parts'
+/// forwards gives the forward over all the keys (output and log-sum-exp), with rows that see no
+/// key of some part, and rows that see no key at all (zero rows, `-inf`).
+#[test]
+fn parts_combine_to_the_whole_forward() -> Result<()> {
+    for_each_device(|dev| {
+        let (b, h, hk, m, n, d, dv) = (2, 4, 2, 45, 150, 24, 40);
+        let mut bytes = random_bytes(m * n, 0.2, 100);
+        for i in 0..m {
+            match i % 6 {
+                // No key at all.
+                0 => bytes[i * n..(i + 1) * n].iter_mut().for_each(|x| *x = 0),
+                // None of the first part.
+                1 => bytes[i * n..i * n + 64].iter_mut().for_each(|x| *x = 0),
+                _ => {}
+            }
+        }
+        let bounds = [0, 64, 67, n];
+        let options = AttentionOptions {
+            scale: Some(0.25),
+            ..Default::default()
+        };
+        let whole = Spec::Dense(bytes.clone(), [1, 1, m, n], 2).mask(dev)?;
+        for dtype in attention_dtypes(dev) {
+            let (q, k, v) = inputs((b, h, hk, m, n, d, dv), dtype, dev, Views::Plain, 101)?;
+            let mut parts = Vec::new();
+            for w in bounds.windows(2) {
+                let (start, len) = (w[0], w[1] - w[0]);
+                let cols: Vec<u8> = (0..m)
+                    .flat_map(|i| bytes[i * n + start..i * n + start + len].to_vec())
+                    .collect();
+                let mask = Spec::Dense(cols, [1, 1, m, len], 2).mask(dev)?;
+                let (kp, vp) = (k.narrow(2, start, len)?, v.narrow(2, start, len)?);
+                parts.push(masked_attention_with_lse(&q, &kp, &vp, &mask, &options)?);
+            }
+            let (out, lse) = masked_attention_combine(&parts)?;
+            let (want, want_lse) = masked_attention_with_lse(&q, &k, &v, &whole, &options)?;
+            assert_eq!(out.dtype(), dtype);
+            assert_eq!(lse.dtype(), want_lse.dtype());
+            let tol = attention_tolerance(dtype);
+            assert_close(
+                &to_f64(&out)?,
+                &to_f64(&want)?,
+                tol,
+                &format!("combined {dtype:?} out"),
+            );
+            assert_close(
+                &to_f64(&lse)?,
+                &to_f64(&want_lse)?,
+                tol.max(1e-6),
+                &format!("combined {dtype:?} lse"),
+            );
+            let rows = to_f64(&lse)?;
+            assert!(rows
+                .chunks(m)
+                .all(|row| row.iter().step_by(6).all(|x| *x == f64::NEG_INFINITY)));
+        }
+        // Bad input.
+        let t = |shape: &[usize], dtype: DType| rand_tensor(shape, 1.0, dtype, dev, 102);
+        let part = (t(&[1, 2, 3, 8], DType::F32)?, t(&[1, 2, 3], DType::F32)?);
+        let err = |parts: &[(Tensor, Tensor)]| {
+            masked_attention_combine(parts)
+                .expect_err("must fail")
+                .to_string()
+        };
+        assert!(err(&[]).contains("one part at least"));
+        assert!(err(&[
+            part.clone(),
+            (t(&[1, 2, 4, 8], DType::F32)?, t(&[1, 2, 4], DType::F32)?)
+        ])
+        .contains("part 1"));
+        assert!(
+            err(&[part.clone(), (part.0.clone(), t(&[1, 2, 2], DType::F32)?)])
+                .contains("lse must be")
+        );
+        assert!(
+            err(&[part.clone(), (part.0.to_dtype(DType::F16)?, part.1.clone())])
+                .contains("part 1 is")
+        );
+        assert!(err(&[(part.0.clone(), part.1.to_dtype(DType::BF16)?)])
+            .contains("lse must be f32 or f64"));
+        assert!(
+            err(&[(t(&[2, 3, 8], DType::F32)?, part.1.clone())]).contains("[batch, heads, m, dv]")
+        );
+        Ok(())
+    });
     Ok(())
 }
