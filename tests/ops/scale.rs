@@ -460,11 +460,12 @@ fn masked_attention_packed_past_2_31() -> Result<()> {
 }
 
 /// masked_attention with q, k, v, the output and every gradient past 2^31 elements (bf16, the
-/// tensor-core kernels), under a sliding window of 64 so the work stays linear. A window makes
+/// tensor-core kernels; the gradients through autograd and through `masked_attention_backward`),
+/// under a sliding window of 64 so the work stays linear. A window makes
 /// attention local: rows `s..e` of one head, cut out and run on the CPU, give exactly the rows
 /// whose keys (and, for key gradients, whose queries) all lie inside the cut.
 #[test]
-#[ignore = "needs a GPU with ~60 GB free; run with --ignored"]
+#[ignore = "needs a GPU with ~80 GB free; run with --ignored"]
 fn masked_attention_past_2_31() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let (heads, m, d, window) = (32, 524_309, 128, 64);
@@ -480,6 +481,22 @@ fn masked_attention_past_2_31() -> Result<()> {
     let scale = 1.0 / (d as f64).sqrt();
     let out = candle_fastops::masked_attention(&vars[0], &vars[1], &vars[2], &mask, scale)?;
     let grads = (&out * &w)?.sum_all()?.backward()?;
+    // The backward as a function, from the forward's output and log-sum-exp.
+    let options = candle_fastops::AttentionOptions {
+        scale: Some(scale),
+        ..Default::default()
+    };
+    let (out_lse, lse) = candle_fastops::masked_attention_with_lse(&q, &k, &v, &mask, &options)?;
+    let (dq, dk, dv) = candle_fastops::masked_attention_backward(
+        &q,
+        &k,
+        &v,
+        (&out_lse, &lse),
+        &w,
+        &mask,
+        &options,
+    )?;
+    let explicit = [dq, dk, dv];
     let cut = 300;
     for h in [0, heads - 1] {
         for s in [0, m / 2, m - cut] {
@@ -513,14 +530,17 @@ fn masked_attention_past_2_31() -> Result<()> {
             );
             for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
                 let range = if i == 0 { first..e } else { first..last_key };
-                let got = head_rows(grads.get(&vars[i]).expect("a gradient"), h, s..e)?;
                 let want = want_grads.get(&cpu_vars[i]).expect("a gradient");
-                assert_close(
-                    &rows(&got, range.clone())?,
-                    &rows(want, range)?,
-                    5e-2,
-                    &format!("{what} {name}"),
-                );
+                let autograd = grads.get(&vars[i]).expect("a gradient");
+                for (how, got) in [("autograd", autograd), ("explicit", &explicit[i])] {
+                    let got = head_rows(got, h, s..e)?;
+                    assert_close(
+                        &rows(&got, range.clone())?,
+                        &rows(want, range.clone())?,
+                        5e-2,
+                        &format!("{what} {name} ({how})"),
+                    );
+                }
             }
         }
     }
