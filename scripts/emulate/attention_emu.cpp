@@ -189,6 +189,7 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
     a.scale = static_cast<float>(scale);
     a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     a.mask = ma;
+    a.bwd_pair_group = 3;  // the one-pass backward's block order in groups of 3 pairs (a partial last group)
     const uint8_t* st = states.empty() ? nullptr : states.data();
     const uint8_t* de = c.kind == DENSE ? dense.data() : nullptr;
     const int64_t* id = c.kind == DOCS ? ids.data() : nullptr;

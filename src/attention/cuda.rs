@@ -60,9 +60,11 @@ struct AttentionArgs {
     scale: f32,
     scale_log2: f32,
     mask: MaskArgs,
+    /// The one-pass backward's blocks go this many (batch, kv head) pairs at a time.
+    bwd_pair_group: i64,
 }
 // Mirrored by `AttentionArgs` in src/cuda/attention_common.cuh.
-mirrored_struct!(AttentionArgs, 312, kernel_arg);
+mirrored_struct!(AttentionArgs, 320, kernel_arg);
 
 const TILE_Q: usize = C::TILE_Q;
 const TILE_K: usize = C::TILE_K;
@@ -199,6 +201,11 @@ fn runs_chosen() -> bool {
 /// The one-pass backward's head tile, keys and threads per block (`bwd_tc` in
 /// `src/cuda/attention.cu`).
 const ONE_PASS_HEAD_TILE: usize = 128;
+/// How many (batch, kv head) pairs the one-pass backward's blocks take at a time: few enough
+/// that their Q / dO tiles and dq_accum rows stay in L2 (4 pairs of 8192 tokens at head dim 128:
+/// ~32 MB), enough that a group's longest key blocks do not outlast it (BENCHMARKS.md,
+/// masked_attention, session 43).
+const ONE_PASS_PAIR_GROUP: i64 = 4;
 const ONE_PASS_KEYS: usize = C::ONE_PASS_KEYS;
 const ONE_PASS_THREADS: u32 = (C::ONE_PASS_WARPS * 32) as u32;
 
@@ -403,6 +410,8 @@ fn args(p: &Problem, mask: &DeviceMask, layouts: [&Layout; 3], io: Io) -> Attent
         // take `scale` itself.
         scale_log2: ((p.scale * std::f64::consts::LOG2_E) as f32).max(f32::MIN_POSITIVE),
         mask: mask.args,
+        bwd_pair_group: crate::cuda::tuning("FASTOPS_ATTENTION_PAIR_GROUP")
+            .map_or(ONE_PASS_PAIR_GROUP, i64::from),
     }
 }
 

@@ -862,10 +862,17 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
     float* s_lse = reinterpret_cast<float*>(sds + BQ * PLD);  // [2][BQ]
     float* s_delta = s_lse + 2 * BQ;                          // [2][BQ]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t kv_total = a.batch * a.kv_heads;
+    // The block: keys j0 .. j0 + KB - 1 of (b, hk). Blocks go bwd_pair_group (batch, kv head)
+    // pairs at a time, key block by key block within a group (the keys most queries see first,
+    // for causal masks), so that the blocks running at once share a few heads' Q / dO tiles and
+    // dq_accum rows in L2; a group of every pair is key block by key block over all heads.
+    const int64_t kv_total = a.batch * a.kv_heads, key_blocks = (a.n + KB - 1) / KB;
     const int64_t block = blockIdx.x;
-    const int64_t kb = block / kv_total;
-    const int64_t bhk = block % kv_total, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
+    const int64_t pair_group = min(max(a.bwd_pair_group, static_cast<int64_t>(1)), kv_total);
+    const int64_t first_pair = block / (pair_group * key_blocks) * pair_group;
+    const int64_t pairs = min(pair_group, kv_total - first_pair), within = block - first_pair * key_blocks;
+    const int64_t kb = within / pairs;
+    const int64_t bhk = first_pair + within % pairs, b = bhk / a.kv_heads, hk = bhk % a.kv_heads;
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
     const KernelMask<MASKS> mask{{a, ops.states, ops.dense, ops.ids, b}};
     const int64_t j0 = kb * KB, keys = min(static_cast<int64_t>(KB), a.n - j0);

@@ -55,8 +55,9 @@ struct AttentionArgs {
     int64_t row_tiles, col_tiles;                      // of 64 queries, of 64 keys
     float scale, scale_log2;                           // scale, scale * log2(e) (> 0, see the host)
     MaskArgs mask;
+    int64_t bwd_pair_group;  // the one-pass backward's blocks go this many (batch, kv head) pairs at a time
 };
-static_assert(sizeof(AttentionArgs) == 312, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 312 bytes");
+static_assert(sizeof(AttentionArgs) == 320, "AttentionArgs is mirrored by a Rust #[repr(C)] struct of 320 bytes");
 
 namespace {
 
