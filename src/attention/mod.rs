@@ -100,9 +100,10 @@ pub fn masked_attention_with(
 }
 
 /// [`masked_attention_with`] and the row log-sum-exp of the scaled, masked scores: f32 (f64 for
-/// f64 inputs) `[batch, heads, m]`, natural log, `-inf` for a query that sees no key. Attention over the
-/// union of key sets split in parts is `sum_p exp(lse_p - lse) out_p` with
-/// `lse = log(sum_p exp(lse_p))`. The log-sum-exp carries no gradient.
+/// f64 inputs) `[batch, heads, m]`, natural log, `-inf` for a query that sees no key. Attention
+/// over the union of key sets split in parts is `sum_p exp(lse_p - lse) out_p` with
+/// `lse = log(sum_p exp(lse_p))` ([`masked_attention_combine`]). The log-sum-exp carries no
+/// gradient; [`masked_attention_backward`] takes it.
 pub fn masked_attention_with_lse(
     q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
@@ -135,7 +136,9 @@ pub fn masked_attention_with_lse(
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_fastops::{masked_attention_combine, masked_attention_with_lse, AttentionMask, AttentionOptions};
+/// use candle_fastops::{
+///     masked_attention_combine, masked_attention_with_lse, AttentionMask, AttentionOptions,
+/// };
 /// let dev = Device::Cpu;
 /// let q = Tensor::randn(0f32, 1., (1, 2, 4, 8), &dev)?;
 /// let k = Tensor::randn(0f32, 1., (1, 2, 10, 8), &dev)?;
@@ -223,13 +226,14 @@ pub fn masked_attention_combine(parts: &[(Tensor, Tensor)]) -> Result<(Tensor, T
 ///
 /// * `q`, `k`, `v`, `mask` and `options` as the forward took them; `out` and `grad_out`
 ///   `[batch, heads, m, dv]` in the dtype of `q`, any layout; `lse` `[batch, heads, m]`, f32 or
-///   f64 (as the forward gives it for f64 inputs). Gradients shaped as `q`, `k` and `v`, in their dtype, tracking no graph.
+///   f64 (as the forward gives it for f64 inputs). Gradients shaped as `q`, `k` and `v`, in
+///   their dtype, tracking no graph.
 /// * The kernels and the numerics are those of the autograd backward (the same tolerances; the
 ///   same bits in deterministic mode). What this form leaves out is candle's bookkeeping around
 ///   a `backward()` call: the seed of the output gradient, and a zero tensor plus an add for each
 ///   of q, k and v.
 /// * Keys split in parts (ring or context-parallel attention): with `out` and `lse` those of the
-///   whole key set (combined from the parts' forwards as [`masked_attention_with_lse`] says),
+///   whole key set (the parts' forwards joined by [`masked_attention_combine`]),
 ///   each part's call gives that part's exact share: dq is the sum of the parts' dq, and each
 ///   part's dk and dv are its keys' gradients.
 ///

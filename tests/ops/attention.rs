@@ -1435,6 +1435,20 @@ fn explicit_backward_matches_autograd() -> Result<()> {
                 0.2,
                 Views::Offset,
             ),
+            (
+                "causal, no queries",
+                Spec::Causal,
+                (0, 133, 16, 24),
+                0.4,
+                Views::Plain,
+            ),
+            (
+                "full, no keys",
+                Spec::Full,
+                (70, 0, 16, 24),
+                0.4,
+                Views::Plain,
+            ),
         ];
         for (name, spec, (m, n, d, dv), scale, views) in cases {
             let mask = spec.mask(dev)?;
