@@ -108,11 +108,18 @@ impl FastExp for f32 {
         // 1.5 * 2^23: adding and subtracting it rounds |y| < 2^22 to the nearest integer.
         const ROUND: f32 = 12_582_912.0;
         let a = self.clamp(-88.0, 88.0);
-        let n = (a * std::f32::consts::LOG2_E + ROUND) - ROUND;
+        let rounded = a * std::f32::consts::LOG2_E + ROUND;
+        let n = rounded - ROUND;
         let r = (a - n * LN2_HI) - n * LN2_LO;
         let poly = C.iter().fold(0.0f32, |acc, &c| (acc + c) * r) + 1.0;
-        // n = -127 puts 0 in the exponent field: the scale, and the result, are 0.
-        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        // `rounded` holds ROUND + n exactly, so its bits are ROUND's plus n (|n| <= 127): n + 127
+        // in the exponent field is 2^n, with integer operations that vectorize (a float-to-int
+        // `as` does not: it saturates). n = -127 puts 0 there: the scale, and the result, are 0.
+        let biased = rounded
+            .to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127);
+        let scale = f32::from_bits(biased << 23);
         let e = poly * scale;
         if self.is_nan() {
             self
