@@ -207,6 +207,24 @@ fn tile_scores<A: AttentionFloat>(
     }
 }
 
+/// The largest element of `row`, NaNs ignored (`-inf` for an empty row, or one of NaNs and
+/// `-inf`s): the value of `f32::max` folded over the row, taken in eight running maxima (vector
+/// lanes) so that the loop vectorizes.
+fn row_max<A: num_traits::Float>(row: &[A]) -> A {
+    let mut lanes = [A::neg_infinity(); 8];
+    let mut chunks = row.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane = if x > *lane { x } else { *lane };
+        }
+    }
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(A::neg_infinity(), |a, &x| a.max(x));
+    lanes.iter().fold(rest, |a, &x| a.max(x))
+}
+
 /// One query tile of one head, walked over the key tiles its mask leaves.
 struct QueryTile<'a, A> {
     head: &'a HeadMask<'a>,
@@ -303,7 +321,7 @@ pub(super) fn forward<A: AttentionFloat>(
                     tile.for_each_key_tile((k, v), &mut s, |s, c, _, vt| {
                         for ri in 0..r {
                             let row = &mut s[ri * c..(ri + 1) * c];
-                            let tile_max = row.iter().fold(A::neg_infinity(), |a, &x| a.max(x));
+                            let tile_max = row_max(row);
                             let new_max = max[ri].max(tile_max);
                             if new_max == A::neg_infinity() {
                                 row.fill(A::zero());
