@@ -71,6 +71,9 @@ pub(crate) trait CpuFloat: candle_core::WithDType {
     type Acc: num_traits::Float + candle_core::WithDType + Send + Sync + std::iter::Sum + FastExp;
     fn to_acc(self) -> Self::Acc;
     fn from_acc(acc: Self::Acc) -> Self;
+    /// `data` itself when it already is of the accumulator type (f32, f64), to be read without
+    /// a conversion pass.
+    fn as_acc(data: &[Self]) -> Option<&[Self::Acc]>;
 }
 
 /// The exponential of the CPU accumulator types, branch-free for f32 so that loops over it
@@ -129,8 +132,20 @@ impl FastExp for f32 {
     }
 }
 
+/// Runs `f` compiled for the widest vector instructions of this CPU that the `pulp` crate
+/// dispatches to (AVX2 and FMA on x86-64 where present, the baseline otherwise): the loops of `f`
+/// and of the `#[inline(always)]` functions it calls vectorize at that width. The results are
+/// the baseline's, bit for bit: the compiler neither reorders floating-point operations nor
+/// fuses a multiply and an add. `f` must be an `#[inline(always)]` closure, or its body is
+/// compiled once, for the baseline.
+#[inline(always)]
+pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
+}
+
 /// `x = exp(x - shift)` for every `x` of `row` ([`FastExp`]); returns their sum, taken in eight
 /// running sums (vector lanes).
+#[inline(always)]
 pub(crate) fn exp_shifted<A: FastExp + num_traits::Float>(row: &mut [A], shift: A) -> A {
     for x in row.iter_mut() {
         *x = (*x - shift).fast_exp();
@@ -140,6 +155,7 @@ pub(crate) fn exp_shifted<A: FastExp + num_traits::Float>(row: &mut [A], shift: 
 
 /// The sum of `exp(x - shift)` over `row`, which stays as it is (the exponentials go through a
 /// small buffer, so that their loop vectorizes as [`exp_shifted`]'s does).
+#[inline(always)]
 pub(crate) fn sum_exp_shifted<A: FastExp + num_traits::Float>(row: &[A], shift: A) -> A {
     let mut buf = [A::zero(); 256];
     row.chunks(buf.len()).fold(A::zero(), |total, chunk| {
@@ -165,9 +181,28 @@ fn sum_lanes<A: num_traits::Float>(row: &[A]) -> A {
     lanes.iter().fold(A::zero(), |s, &x| s + x) + rest
 }
 
-/// `cpu_float!(T => Acc, widen, narrow)`: T's [`CpuFloat`] impl with its two conversions.
+/// The largest element of `row`, NaNs ignored (`-inf` for an empty row, or one of NaNs and
+/// `-inf`s): the value of `f32::max` folded over the row, taken in eight running maxima (vector
+/// lanes) so that the loop vectorizes.
+#[inline(always)]
+pub(crate) fn max_lanes<A: num_traits::Float>(row: &[A]) -> A {
+    let mut lanes = [A::neg_infinity(); 8];
+    let mut chunks = row.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane = if x > *lane { x } else { *lane };
+        }
+    }
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(A::neg_infinity(), |a, &x| a.max(x));
+    lanes.iter().fold(rest, |a, &x| a.max(x))
+}
+
+/// `cpu_float!(T => Acc, widen, narrow, as_acc)`: T's [`CpuFloat`] impl with its two conversions.
 macro_rules! cpu_float {
-    ($($t:ty => $acc:ty, $to:expr, $from:expr;)*) => {$(
+    ($($t:ty => $acc:ty, $to:expr, $from:expr, $as_acc:expr;)*) => {$(
         impl CpuFloat for $t {
             type Acc = $acc;
             fn to_acc(self) -> $acc {
@@ -176,15 +211,18 @@ macro_rules! cpu_float {
             fn from_acc(acc: $acc) -> Self {
                 $from(acc)
             }
+            fn as_acc(data: &[$t]) -> Option<&[$acc]> {
+                $as_acc(data)
+            }
         }
     )*};
 }
 
 cpu_float! {
-    f32 => f32, std::convert::identity, std::convert::identity;
-    f64 => f64, std::convert::identity, std::convert::identity;
-    half::f16 => f32, half::f16::to_f32, half::f16::from_f32;
-    half::bf16 => f32, half::bf16::to_f32, half::bf16::from_f32;
+    f32 => f32, std::convert::identity, std::convert::identity, Some;
+    f64 => f64, std::convert::identity, std::convert::identity, Some;
+    half::f16 => f32, half::f16::to_f32, half::f16::from_f32, |_| None;
+    half::bf16 => f32, half::bf16::to_f32, half::bf16::from_f32, |_| None;
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! of tiles go through the `gemm` crate; no `m x n` buffer exists, only a `ROWS x COLS` tile of
 //! scores per task. Empty tiles are skipped, full tiles are not masked element by element.
 
-use super::mask::{document_tile_state, generated_tile_state, generated_visible, Kind, TileData};
+use super::mask::{document_tile_state, generated_tile_state, Kind, TileData};
 use super::Problem;
 use crate::matmul::core::CpuGemm;
 use crate::tile_summary::{TILE_EMPTY, TILE_FULL};
@@ -111,19 +111,49 @@ impl HeadMask<'_> {
         }
     }
 
-    /// Whether query `i` sees key `j` (inside a partial tile).
-    #[inline]
-    fn visible(&self, i: usize, j: usize) -> bool {
+    /// Query `i`'s scores against keys `j0..j0 + row.len()` (inside a partial tile): each
+    /// multiplied by `scale` where the query sees the key, `-inf` where it does not.
+    #[inline(always)]
+    fn scale_row<A: num_traits::Float>(&self, row: &mut [A], i: usize, j0: usize, scale: A) {
+        let keep = |x: &mut A, visible: bool| {
+            *x = if visible {
+                *x * scale
+            } else {
+                A::neg_infinity()
+            };
+        };
         match self {
-            HeadMask::Generated { kind, offset } => generated_visible(kind, i, j, *offset),
-            HeadMask::Documents { ids, causal, .. } => ids[i] == ids[j] && (!causal || j <= i),
+            HeadMask::Generated { kind, offset } => {
+                // Query `i` at position `pos = i + n - m` sees keys `first..=last`: causal, `j <= pos`;
+                // a window also `pos - j < window`.
+                let pos = i as i64 + offset;
+                let (first, last) = match kind {
+                    Kind::Causal => (i64::MIN, pos),
+                    Kind::Window(w) => (pos - *w as i64 + 1, pos),
+                    _ => (i64::MIN, i64::MAX),
+                };
+                for (j, x) in (j0 as i64..).zip(row.iter_mut()) {
+                    keep(x, first <= j && j <= last);
+                }
+            }
+            HeadMask::Documents { ids, causal, .. } => {
+                let (id, keys) = (ids[i], &ids[j0..j0 + row.len()]);
+                for ((j, x), &key) in (j0..).zip(row.iter_mut()).zip(keys) {
+                    keep(x, key == id && (!causal || j <= i));
+                }
+            }
             HeadMask::Dense {
                 mask,
                 base,
                 row_stride,
                 col_stride,
                 ..
-            } => mask[base + i * row_stride + j * col_stride] != 0,
+            } => {
+                let at = base + i * row_stride + j0 * col_stride;
+                for (x, jj) in row.iter_mut().zip(0..) {
+                    keep(x, mask[at + jj * col_stride] != 0);
+                }
+            }
         }
     }
 }
@@ -191,38 +221,22 @@ impl CpuMask<'_> {
 /// The scores of one tile: `s[r x c] = scale * q_rows . k_colsᵀ`, masked to `-inf` where the
 /// query does not see the key (partial tiles only).
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn tile_scores<A: AttentionFloat>(
     s: &mut [A], q: &[A], k: &[A], (r, c, d): (usize, usize, usize), scale: A, mask: &HeadMask<'_>,
     partial: bool, (i0, j0): (usize, usize),
 ) {
     gemm_into((r, c, d), s, (q, d, 1), (k, 1, d), false);
-    for (ri, row) in s[..r * c].chunks_mut(c).enumerate() {
-        for (cj, x) in row.iter_mut().enumerate() {
-            *x = if partial && !mask.visible(i0 + ri, j0 + cj) {
-                A::neg_infinity()
-            } else {
-                *x * scale
-            };
+    let s = &mut s[..r * c];
+    if !partial {
+        for x in s.iter_mut() {
+            *x = *x * scale;
         }
+        return;
     }
-}
-
-/// The largest element of `row`, NaNs ignored (`-inf` for an empty row, or one of NaNs and
-/// `-inf`s): the value of `f32::max` folded over the row, taken in eight running maxima (vector
-/// lanes) so that the loop vectorizes.
-fn row_max<A: num_traits::Float>(row: &[A]) -> A {
-    let mut lanes = [A::neg_infinity(); 8];
-    let mut chunks = row.chunks_exact(8);
-    for chunk in &mut chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = if x > *lane { x } else { *lane };
-        }
+    for (ri, row) in s.chunks_mut(c).enumerate() {
+        mask.scale_row(row, i0 + ri, j0, scale);
     }
-    let rest = chunks
-        .remainder()
-        .iter()
-        .fold(A::neg_infinity(), |a, &x| a.max(x));
-    lanes.iter().fold(rest, |a, &x| a.max(x))
 }
 
 /// One query tile of one head, walked over the key tiles its mask leaves.
@@ -251,6 +265,7 @@ impl<'a, A: AttentionFloat> QueryTile<'a, A> {
 
     /// For each key tile the mask does not hide, in order: the masked scores of the tile into
     /// `s` (`r x c`), then `f(s, c, keys, values)` with the tile's rows of `k` and `v`.
+    #[inline(always)]
     fn for_each_key_tile(
         &self, (k, v): (&[A], &[A]), s: &mut [A], mut f: impl FnMut(&mut [A], usize, &[A], &[A]),
     ) {
@@ -311,52 +326,72 @@ pub(super) fn forward<A: AttentionFloat>(
                 .enumerate()
                 .for_each(|(qt, (out, lse))| {
                     let i0 = qt * ROWS;
-                    let r = lse.len();
-                    let q = &q[i0 * d..(i0 + r) * d];
-                    let mut s = vec![A::zero(); r * COLS];
-                    let mut max = vec![A::neg_infinity(); r];
-                    let mut sum = vec![A::zero(); r];
-                    let mut acc = vec![A::zero(); r * dv];
+                    let q = &q[i0 * d..(i0 + lse.len()) * d];
                     let tile = QueryTile::new(&head, qt, q, p, scale);
-                    tile.for_each_key_tile((k, v), &mut s, |s, c, _, vt| {
-                        for ri in 0..r {
-                            let row = &mut s[ri * c..(ri + 1) * c];
-                            let tile_max = row_max(row);
-                            let new_max = max[ri].max(tile_max);
-                            if new_max == A::neg_infinity() {
-                                row.fill(A::zero());
-                                continue;
-                            }
-                            let alpha = (max[ri] - new_max).exp();
-                            let total = crate::cpu::exp_shifted(row, new_max);
-                            sum[ri] = sum[ri] * alpha + total;
-                            max[ri] = new_max;
-                            for a in &mut acc[ri * dv..(ri + 1) * dv] {
-                                *a = *a * alpha;
-                            }
-                        }
-                        gemm_into((r, dv, c), &mut acc, (s, c, 1), (vt, dv, 1), true);
-                    });
-                    for ri in 0..r {
-                        let row = &mut out[ri * dv..(ri + 1) * dv];
-                        if sum[ri] > A::zero() {
-                            let inv = A::one() / sum[ri];
-                            for (o, &a) in row.iter_mut().zip(&acc[ri * dv..(ri + 1) * dv]) {
-                                *o = a * inv;
-                            }
-                            lse[ri] = (max[ri] + sum[ri].ln()).to_f64().unwrap_or(f64::NAN);
-                        } else {
-                            row.fill(A::zero());
-                            lse[ri] = f64::NEG_INFINITY;
-                        }
-                    }
+                    crate::cpu::vectorized(
+                        #[inline(always)]
+                        || forward_query_tile(&tile, (k, v), out, lse),
+                    );
                 });
         });
+}
+
+/// The forward of one query tile (its `r` rows of `out`, `r x dv`, and of `lse`): the online
+/// softmax over the key tiles its mask leaves.
+#[inline(always)]
+fn forward_query_tile<A: AttentionFloat>(
+    tile: &QueryTile<'_, A>, (k, v): (&[A], &[A]), out: &mut [A], lse: &mut [f64],
+) {
+    let dv = tile.p.dv;
+    let r = lse.len();
+    let mut s = vec![A::zero(); r * COLS];
+    let mut max = vec![A::neg_infinity(); r];
+    let mut sum = vec![A::zero(); r];
+    let mut acc = vec![A::zero(); r * dv];
+    tile.for_each_key_tile(
+        (k, v),
+        &mut s,
+        #[inline(always)]
+        |s, c, _, vt| {
+            for ri in 0..r {
+                let row = &mut s[ri * c..(ri + 1) * c];
+                let new_max = max[ri].max(crate::cpu::max_lanes(row));
+                if new_max == A::neg_infinity() {
+                    row.fill(A::zero());
+                    continue;
+                }
+                let alpha = (max[ri] - new_max).fast_exp();
+                let total = crate::cpu::exp_shifted(row, new_max);
+                sum[ri] = sum[ri] * alpha + total;
+                max[ri] = new_max;
+                if alpha != A::one() {
+                    for a in &mut acc[ri * dv..(ri + 1) * dv] {
+                        *a = *a * alpha;
+                    }
+                }
+            }
+            gemm_into((r, dv, c), &mut acc, (s, c, 1), (vt, dv, 1), true);
+        },
+    );
+    for ri in 0..r {
+        let row = &mut out[ri * dv..(ri + 1) * dv];
+        if sum[ri] > A::zero() {
+            let inv = A::one() / sum[ri];
+            for (o, &a) in row.iter_mut().zip(&acc[ri * dv..(ri + 1) * dv]) {
+                *o = a * inv;
+            }
+            lse[ri] = (max[ri] + sum[ri].ln()).to_f64().unwrap_or(f64::NAN);
+        } else {
+            row.fill(A::zero());
+            lse[ri] = f64::NEG_INFINITY;
+        }
+    }
 }
 
 /// The probabilities of a tile recomputed from the saved log-sum-exp: `s` holds the masked
 /// scores on entry and `exp(s - lse)` on return (0 for masked entries and for rows that see no
 /// key).
+#[inline(always)]
 fn probabilities<A: AttentionFloat>(s: &mut [A], c: usize, lse: &[f64]) {
     for (row, &l) in s.chunks_mut(c).zip(lse) {
         if l == f64::NEG_INFINITY {
@@ -409,92 +444,122 @@ pub(super) fn backward<A: AttentionFloat>(
             dq.par_chunks_mut(ROWS * d)
                 .enumerate()
                 .for_each(|(qt, dq)| {
-                    let i0 = qt * ROWS;
-                    let r = dq.len() / d;
-                    let row0 = bh * m + i0;
-                    let q = &x.q[row0 * d..(row0 + r) * d];
-                    let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
-                    let lse = &x.lse[row0..row0 + r];
-                    let delta = &delta[row0..row0 + r];
-                    dq.fill(A::zero());
-                    let (mut s, mut dp) = (vec![A::zero(); r * COLS], vec![A::zero(); r * COLS]);
+                    let row0 = bh * m + qt * ROWS;
+                    let q = &x.q[row0 * d..row0 * d + dq.len()];
                     let tile = QueryTile::new(&head, qt, q, p, scale);
-                    tile.for_each_key_tile((k, v), &mut s, |s, c, kt_, vt| {
-                        probabilities(s, c, lse);
-                        // dP = dO . Vᵀ, dS = P * (dP - delta).
-                        gemm_into((r, c, dv), &mut dp, (go, dv, 1), (vt, 1, dv), false);
-                        for ((dp, s), &delta) in dp.chunks_mut(c).zip(s.chunks(c)).zip(delta) {
-                            for (dp, &p) in dp.iter_mut().zip(s) {
-                                *dp = p * (*dp - delta);
-                            }
-                        }
-                        gemm_into((r, d, c), dq, (&dp, c, 1), (kt_, d, 1), true);
-                    });
-                    for g in dq.iter_mut() {
-                        *g = *g * scale;
-                    }
+                    crate::cpu::vectorized(
+                        #[inline(always)]
+                        || query_gradient_tile(&tile, x, &delta, row0, (k, v), dq),
+                    )
                 });
         });
     }
     // The key and value gradients: a task per (batch entry, kv head, key tile), over the query
     // heads of its group.
     let kv_heads = p.batch * p.kv_heads;
-    let dk_len = n * d;
-    let dv_len = n * dv;
-    dk.par_chunks_mut(dk_len.max(1))
-        .zip(dv_out.par_chunks_mut(dv_len.max(1)))
+    dk.par_chunks_mut((n * d).max(1))
+        .zip(dv_out.par_chunks_mut((n * dv).max(1)))
         .take(kv_heads)
         .enumerate()
-        .for_each(|(kvh, (dk, dvv))| {
-            let (b, hk) = (kvh / p.kv_heads, kvh % p.kv_heads);
-            let k = &x.k[kvh * n * d..(kvh + 1) * n * d];
-            let v = &x.v[kvh * n * dv..(kvh + 1) * n * dv];
+        .for_each(|(kvh, (dk, dv))| {
             let mut dk_tiles: Vec<&mut [A]> = dk.chunks_mut(COLS * d).collect();
-            let mut dv_tiles: Vec<&mut [A]> = dvv.chunks_mut(COLS * dv).collect();
+            let mut dv_tiles: Vec<&mut [A]> = dv.chunks_mut(COLS * p.dv).collect();
             dk_tiles
                 .par_iter_mut()
                 .zip(dv_tiles.par_iter_mut())
                 .enumerate()
-                .for_each(|(kt, (dk, dvv))| {
-                    let j0 = kt * COLS;
-                    let c = COLS.min(n - j0);
-                    dk.fill(A::zero());
-                    dvv.fill(A::zero());
-                    let (kt_, vt) = (&k[j0 * d..(j0 + c) * d], &v[j0 * dv..(j0 + c) * dv]);
-                    let (mut s, mut dp) = (vec![A::zero(); ROWS * c], vec![A::zero(); ROWS * c]);
-                    let mut st = vec![A::zero(); c * ROWS];
-                    for h in hk * group..(hk + 1) * group {
-                        let bh = b * p.heads + h;
-                        let head = mask.head(p, b, h);
-                        for qt in 0..m.div_ceil(ROWS) {
-                            let state = head.tile_state(qt, kt, m, n);
-                            if state == TILE_EMPTY {
-                                continue;
-                            }
-                            let i0 = qt * ROWS;
-                            let r = ROWS.min(m - i0);
-                            let row0 = bh * m + i0;
-                            let q = &x.q[row0 * d..(row0 + r) * d];
-                            let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
-                            let partial = state != TILE_FULL;
-                            tile_scores(&mut s, q, kt_, (r, c, d), scale, &head, partial, (i0, j0));
-                            probabilities(&mut s[..r * c], c, &x.lse[row0..row0 + r]);
-                            // dV += Pᵀ . dO
-                            gemm_into((c, dv, r), dvv, (&s, 1, c), (go, dv, 1), true);
-                            // dS = P * (dO . Vᵀ - delta); dK += dSᵀ . Q
-                            gemm_into((r, c, dv), &mut dp, (go, dv, 1), (vt, 1, dv), false);
-                            for ri in 0..r {
-                                for cj in 0..c {
-                                    let at = ri * c + cj;
-                                    st[cj * r + ri] = s[at] * (dp[at] - delta[row0 + ri]);
-                                }
-                            }
-                            gemm_into((c, d, r), dk, (&st, r, 1), (q, d, 1), true);
-                        }
-                    }
-                    for g in dk.iter_mut() {
-                        *g = *g * scale;
-                    }
+                .for_each(|(kt, (dk, dv))| {
+                    crate::cpu::vectorized(
+                        #[inline(always)]
+                        || key_value_gradient_tile(p, mask, x, &delta, (kvh, kt), (dk, dv)),
+                    )
                 });
         });
+}
+
+/// The query gradient of one query tile (`dq`, its `r x d` rows; `row0` its first row over
+/// every (batch entry, head)), written completely.
+#[inline(always)]
+fn query_gradient_tile<A: AttentionFloat>(
+    tile: &QueryTile<'_, A>, x: &Saved<'_, A>, delta: &[A], row0: usize, (k, v): (&[A], &[A]),
+    dq: &mut [A],
+) {
+    let Problem { d, dv, .. } = *tile.p;
+    let r = dq.len() / d;
+    let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
+    let lse = &x.lse[row0..row0 + r];
+    let delta = &delta[row0..row0 + r];
+    dq.fill(A::zero());
+    let (mut s, mut dp) = (vec![A::zero(); r * COLS], vec![A::zero(); r * COLS]);
+    tile.for_each_key_tile(
+        (k, v),
+        &mut s,
+        #[inline(always)]
+        |s, c, keys, values| {
+            probabilities(s, c, lse);
+            // dP = dO . Vᵀ, dS = P * (dP - delta).
+            gemm_into((r, c, dv), &mut dp, (go, dv, 1), (values, 1, dv), false);
+            for ((dp, s), &delta) in dp.chunks_mut(c).zip(s.chunks(c)).zip(delta) {
+                for (dp, &p) in dp.iter_mut().zip(s) {
+                    *dp = p * (*dp - delta);
+                }
+            }
+            gemm_into((r, d, c), dq, (&dp, c, 1), (keys, d, 1), true);
+        },
+    );
+    for g in dq.iter_mut() {
+        *g = *g * tile.scale;
+    }
+}
+
+/// The key and value gradients of key tile `kt` of (batch entry, kv head) `kvh` (`dk` `c x d`,
+/// `dv` `c x dv`), over the query heads of its group, written completely.
+#[inline(always)]
+fn key_value_gradient_tile<A: AttentionFloat>(
+    p: &Problem, mask: &CpuMask<'_>, x: &Saved<'_, A>, delta: &[A], (kvh, kt): (usize, usize),
+    (dk, dvv): (&mut [A], &mut [A]),
+) {
+    let Problem { m, n, d, dv, .. } = *p;
+    let scale = A::from(p.scale).unwrap_or_else(A::one);
+    let group = p.heads / p.kv_heads;
+    let (b, hk) = (kvh / p.kv_heads, kvh % p.kv_heads);
+    let j0 = kt * COLS;
+    let c = COLS.min(n - j0);
+    let keys = &x.k[(kvh * n + j0) * d..(kvh * n + j0 + c) * d];
+    let values = &x.v[(kvh * n + j0) * dv..(kvh * n + j0 + c) * dv];
+    dk.fill(A::zero());
+    dvv.fill(A::zero());
+    let (mut s, mut ds) = (vec![A::zero(); ROWS * c], vec![A::zero(); ROWS * c]);
+    for h in hk * group..(hk + 1) * group {
+        let bh = b * p.heads + h;
+        let head = mask.head(p, b, h);
+        for qt in 0..m.div_ceil(ROWS) {
+            let state = head.tile_state(qt, kt, m, n);
+            if state == TILE_EMPTY {
+                continue;
+            }
+            let i0 = qt * ROWS;
+            let r = ROWS.min(m - i0);
+            let row0 = bh * m + i0;
+            let q = &x.q[row0 * d..(row0 + r) * d];
+            let go = &x.grad_out[row0 * dv..(row0 + r) * dv];
+            let partial = state != TILE_FULL;
+            tile_scores(&mut s, q, keys, (r, c, d), scale, &head, partial, (i0, j0));
+            let s = &mut s[..r * c];
+            probabilities(s, c, &x.lse[row0..row0 + r]);
+            // dV += Pᵀ . dO
+            gemm_into((c, dv, r), dvv, (s, 1, c), (go, dv, 1), true);
+            // dS = P * (dO . Vᵀ - delta); dK += dSᵀ . Q
+            gemm_into((r, c, dv), &mut ds, (go, dv, 1), (values, 1, dv), false);
+            for ((ds, s), &delta) in ds.chunks_mut(c).zip(s.chunks(c)).zip(&delta[row0..]) {
+                for (ds, &p) in ds.iter_mut().zip(s) {
+                    *ds = p * (*ds - delta);
+                }
+            }
+            gemm_into((c, d, r), dk, (&ds, 1, c), (q, d, 1), true);
+        }
+    }
+    for g in dk.iter_mut() {
+        *g = *g * scale;
+    }
 }

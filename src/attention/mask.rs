@@ -365,18 +365,6 @@ pub(super) fn document_runs(ids: &[i64], seq: usize) -> Option<Vec<i64>> {
     Some(runs)
 }
 
-/// Whether query `i` sees key `j` under a generated mask with `offset = n - m`.
-#[inline]
-pub(super) fn generated_visible(kind: &Kind, i: usize, j: usize, offset: i64) -> bool {
-    let (pos, j) = (i as i64 + offset, j as i64);
-    match kind {
-        Kind::Full => true,
-        Kind::Causal => j <= pos,
-        Kind::Window(w) => j <= pos && pos - j < *w as i64,
-        _ => true,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::document_runs;

@@ -16,6 +16,7 @@ pub use mask::AttentionMask;
 
 use crate::cpu::CpuFloat;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 const OP: &str = "masked_attention";
@@ -992,8 +993,20 @@ struct Attention {
     saved: SavedLse,
 }
 
-/// A rank-4 strided view gathered into a contiguous vector of the accumulator type.
-fn gather<T: CpuFloat>(data: &[T], layout: &Layout) -> Result<Vec<T::Acc>> {
+/// A rank-4 strided view as a contiguous slice of the accumulator type: the data itself when it
+/// is contiguous and of that type, a copy otherwise.
+fn gather<'a, T: CpuFloat>(data: &'a [T], layout: &Layout) -> Result<Cow<'a, [T::Acc]>> {
+    if layout.shape().elem_count() == 0 {
+        // An empty view may start past the end of its (empty) storage.
+        return Ok(Cow::Owned(Vec::new()));
+    }
+    if let Some((start, end)) = layout.contiguous_offsets() {
+        let data = &data[start..end];
+        return Ok(match T::as_acc(data) {
+            Some(data) => Cow::Borrowed(data),
+            None => Cow::Owned(data.iter().map(|&x| x.to_acc()).collect()),
+        });
+    }
     let (d0, d1, d2, d3) = layout.shape().dims4()?;
     let s = layout.stride();
     let start = layout.start_offset();
@@ -1002,11 +1015,15 @@ fn gather<T: CpuFloat>(data: &[T], layout: &Layout) -> Result<Vec<T::Acc>> {
         for b in 0..d1 {
             for c in 0..d2 {
                 let row = start + a * s[0] + b * s[1] + c * s[2];
-                out.extend((0..d3).map(|e| data[row + e * s[3]].to_acc()));
+                if s[3] == 1 {
+                    out.extend(data[row..row + d3].iter().map(|&x| x.to_acc()));
+                } else {
+                    out.extend((0..d3).map(|e| data[row + e * s[3]].to_acc()));
+                }
             }
         }
     }
-    Ok(out)
+    Ok(Cow::Owned(out))
 }
 
 impl Attention {
