@@ -23,6 +23,7 @@ impl<T> OutPtr<T> {
 
 /// Max of a group, NaN if it holds one. The compare-select max and the separate NaN flag
 /// compile to packed max / unordered-compare instructions.
+#[inline(always)]
 fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
     let (mut m, mut nan) = (C::neg_infinity(), false);
     for v in values {
@@ -37,6 +38,7 @@ fn max_and_nan<C: Float>(values: impl Iterator<Item = C>) -> C {
 }
 
 /// The output of one element given its group's max `m` and `log_s = ln(sum(exp(x - m)))`.
+#[inline(always)]
 fn normalise<C: Float>(x: C, m: C, inv_s: C, log_s: C, log: bool) -> C {
     match (m == C::neg_infinity(), log) {
         (true, true) => C::neg_infinity(),
@@ -59,7 +61,10 @@ pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Ve
             (0..groups)
                 .into_par_iter()
                 .for_each_init(Vec::new, |buf, g| {
-                    row_group(xs, out.get(), plan, g, log, buf)
+                    crate::cpu::vectorized(
+                        #[inline(always)]
+                        || row_group(xs, out.get(), plan, g, log, buf),
+                    )
                 });
         } else {
             let outer = groups / lanes;
@@ -68,7 +73,10 @@ pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Ve
                 let (g_outer, chunk) = (task / chunks, task % chunks);
                 let first = chunk * LANE_CHUNK;
                 let width = LANE_CHUNK.min(lanes - first);
-                column_group(xs, out.get(), plan, g_outer * lanes + first, width, log)
+                crate::cpu::vectorized(
+                    #[inline(always)]
+                    || column_group(xs, out.get(), plan, g_outer * lanes + first, width, log),
+                )
             });
         }
     };
@@ -78,6 +86,7 @@ pub(super) fn softmax<T: CpuFloat>(xs: &[T], plan: &ReducePlan, log: bool) -> Ve
 
 /// One group whose innermost reduced block is contiguous: gathered run by run into `buf`
 /// (one read of the input), normalised there, scattered back (one write).
+#[inline(always)]
 fn row_group<T: CpuFloat>(
     xs: &[T], ys: *mut T, plan: &ReducePlan, g: usize, log: bool, buf: &mut Vec<T::Acc>,
 ) {
@@ -119,6 +128,7 @@ fn row_group<T: CpuFloat>(
 
 /// `width` adjacent groups starting at `g0` whose elements are strided: for each reduced
 /// index the groups form a contiguous run of `width` values.
+#[inline(always)]
 fn column_group<T: CpuFloat>(
     xs: &[T], ys: *mut T, plan: &ReducePlan, g0: usize, width: usize, log: bool,
 ) {
