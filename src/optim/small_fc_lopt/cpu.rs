@@ -402,16 +402,6 @@ impl CpuMlp {
     }
 }
 
-/// [`update_chunk`] compiled for AVX2 + FMA (8-wide), chosen at run time.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn update_chunk_avx2(
-    t: &CpuTensor, net: &CpuMlp, scale: &[f32], h: Hyper, first: usize,
-    dst: &mut [std::mem::MaybeUninit<f32>],
-) {
-    update_chunk(t, net, scale, h, first, dst)
-}
-
 /// New parameter values for elements `first..first + dst.len()`. The indexed loops over
 /// fixed-size arrays are deliberate: they compile to 32-wide vector multiply-adds.
 #[inline(always)]
@@ -476,19 +466,14 @@ impl CustomOp1 for Update {
             let net = CpuMlp::new(mlp);
             let h = self.hyper;
             let n = t.grad.len();
-            #[cfg(target_arch = "x86_64")]
-            let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
             let write_all = |out: &mut [std::mem::MaybeUninit<_>]| {
                 out.par_chunks_mut(CHUNK)
                     .enumerate()
                     .for_each(|(chunk, dst)| {
-                        #[cfg(target_arch = "x86_64")]
-                        if wide {
-                            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                            unsafe { update_chunk_avx2(t, &net, scale, h, chunk * CHUNK, dst) };
-                            return;
-                        }
-                        update_chunk(t, &net, scale, h, chunk * CHUNK, dst)
+                        crate::cpu::vectorized(
+                            #[inline(always)]
+                            || update_chunk(t, &net, scale, h, chunk * CHUNK, dst),
+                        )
                     })
             };
             // SAFETY: the chunks cover 0..n and write every element.
