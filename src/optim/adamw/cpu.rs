@@ -2,10 +2,12 @@
 //! updates the parameter in place (through candle's in-place op) and writes the new moments.
 
 use super::{Hyper, OP};
+use crate::cpu::CpuFloat;
 use candle_core::{bail, CpuStorage, Device, Layout, Result, Storage, Tensor, Var, WithDType};
-use num_traits::Float;
+use num_traits::{Float, One};
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 
 /// Elements per rayon task.
 const CHUNK: usize = 1 << 14;
@@ -51,37 +53,50 @@ fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) ->
     f(&cpu.as_slice::<T>()?[start..end])
 }
 
-/// The update of `p` in place, in the accumulator type `A` (f32; f64 for f64 parameters).
-fn update<T: WithDType, A: WithDType + Float>(
-    op: &Update, p: &mut [T], to: fn(T) -> A, from: fn(A) -> T,
-) -> Result<(Tensor, Tensor)> {
+/// The update of `p` in place, in its accumulator type (f32; f64 for f64 parameters). The
+/// moments come back as new tensors, written without a zero fill.
+fn update<T: CpuFloat>(op: &Update, p: &mut [T]) -> Result<(Tensor, Tensor)> {
     let h = op.h;
-    let c = |x: f64| A::from(x).expect("a finite f64 converts");
+    let c = |x: f64| <T::Acc as num_traits::NumCast>::from(x).expect("a finite f64 converts");
     let (b1, b2, lr, decay) = (c(h.beta1), c(h.beta2), c(h.lr), c(h.decay));
     let (sm, sv, eps) = (c(h.scale_m), c(h.scale_v), c(h.eps));
-    let (ob1, ob2) = (A::one() - b1, A::one() - b2);
+    let (ob1, ob2) = (T::Acc::one() - b1, T::Acc::one() - b2);
     let n = p.len();
-    let mut m_out = vec![A::zero(); n];
-    let mut v_out = vec![A::zero(); n];
-    with_slice::<T, _>(op.grad, |g| {
-        with_slice::<A, _>(op.m, |m| {
-            with_slice::<A, _>(op.v, |v| {
-                p.par_chunks_mut(CHUNK)
-                    .zip(g.par_chunks(CHUNK))
-                    .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
-                    .zip(m_out.par_chunks_mut(CHUNK).zip(v_out.par_chunks_mut(CHUNK)))
-                    .for_each(|(((p, g), (m, v)), (mo, vo))| {
-                        for i in 0..p.len() {
-                            let gi = to(g[i]);
-                            let mn = b1 * m[i] + ob1 * gi;
-                            let vn = b2 * v[i] + ob2 * (gi * gi);
-                            mo[i] = mn;
-                            vo[i] = vn;
-                            let step = (mn * sm) / ((vn * sv).sqrt() + eps);
-                            p[i] = from(to(p[i]) * decay - lr * step);
-                        }
-                    });
-                Ok(())
+    let mut v_out = Vec::new();
+    let m_out = with_slice::<T, _>(op.grad, |g| {
+        with_slice::<T::Acc, _>(op.m, |m| {
+            with_slice::<T::Acc, _>(op.v, |v| {
+                let write_all = |m_out: &mut [MaybeUninit<T::Acc>]| {
+                    let fill = |v_out: &mut [MaybeUninit<T::Acc>]| {
+                        p.par_chunks_mut(CHUNK)
+                            .zip(g.par_chunks(CHUNK))
+                            .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
+                            .zip(m_out.par_chunks_mut(CHUNK).zip(v_out.par_chunks_mut(CHUNK)))
+                            .for_each(|(((p, g), (m, v)), (mo, vo))| {
+                                crate::cpu::vectorized(
+                                    #[inline(always)]
+                                    || {
+                                        let moments = m.iter().zip(v).zip(mo).zip(vo);
+                                        for ((p, &g), (((&m, &v), mo), vo)) in
+                                            p.iter_mut().zip(g).zip(moments)
+                                        {
+                                            let g = g.to_acc();
+                                            let mn = b1 * m + ob1 * g;
+                                            let vn = b2 * v + ob2 * (g * g);
+                                            mo.write(mn);
+                                            vo.write(vn);
+                                            let step = (mn * sm) / ((vn * sv).sqrt() + eps);
+                                            *p = T::from_acc(p.to_acc() * decay - lr * step);
+                                        }
+                                    },
+                                )
+                            })
+                    };
+                    // SAFETY: the chunks cover 0..n and write every element of v_out.
+                    v_out = unsafe { crate::cpu::written_output(n, fill) };
+                };
+                // SAFETY: the chunks cover 0..n and write every element of m_out.
+                Ok(unsafe { crate::cpu::written_output(n, write_all) })
             })
         })
     })?;
@@ -101,20 +116,10 @@ impl candle_core::InplaceOp1 for Update<'_> {
             bail!("{OP}: the variable is not contiguous");
         };
         let moments = match storage {
-            CpuStorage::F32(p) => update::<f32, f32>(self, &mut p[start..end], |x| x, |x| x)?,
-            CpuStorage::F64(p) => update::<f64, f64>(self, &mut p[start..end], |x| x, |x| x)?,
-            CpuStorage::F16(p) => update::<half::f16, f32>(
-                self,
-                &mut p[start..end],
-                half::f16::to_f32,
-                half::f16::from_f32,
-            )?,
-            CpuStorage::BF16(p) => update::<half::bf16, f32>(
-                self,
-                &mut p[start..end],
-                half::bf16::to_f32,
-                half::bf16::from_f32,
-            )?,
+            CpuStorage::F32(p) => update(self, &mut p[start..end])?,
+            CpuStorage::F64(p) => update(self, &mut p[start..end])?,
+            CpuStorage::F16(p) => update(self, &mut p[start..end])?,
+            CpuStorage::BF16(p) => update(self, &mut p[start..end])?,
             other => bail!(
                 "{OP}: a variable of dtype {:?}",
                 candle_core::backend::BackendStorage::dtype(other)
