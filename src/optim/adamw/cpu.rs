@@ -66,6 +66,15 @@ fn update<T: CpuFloat>(op: &Update, p: &mut [T]) -> Result<(Tensor, Tensor)> {
     let m_out = with_slice::<T, _>(op.grad, |g| {
         with_slice::<T::Acc, _>(op.m, |m| {
             with_slice::<T::Acc, _>(op.v, |v| {
+                if g.len() != n || m.len() != n || v.len() != n {
+                    bail!(
+                        "{OP}: internal error, a variable of {n} elements with a gradient of {} \
+                         and moments of {} / {}",
+                        g.len(),
+                        m.len(),
+                        v.len()
+                    );
+                }
                 let write_all = |m_out: &mut [MaybeUninit<T::Acc>]| {
                     let fill = |v_out: &mut [MaybeUninit<T::Acc>]| {
                         p.par_chunks_mut(CHUNK)
@@ -92,10 +101,11 @@ fn update<T: CpuFloat>(op: &Update, p: &mut [T]) -> Result<(Tensor, Tensor)> {
                                 )
                             })
                     };
-                    // SAFETY: the chunks cover 0..n and write every element of v_out.
+                    // SAFETY: p, g, m, v and v_out all have n elements (checked above), so the chunks
+                    // cover 0..n and write every element of v_out.
                     v_out = unsafe { crate::cpu::written_output(n, fill) };
                 };
-                // SAFETY: the chunks cover 0..n and write every element of m_out.
+                // SAFETY: as for v_out, every element of m_out is written.
                 Ok(unsafe { crate::cpu::written_output(n, write_all) })
             })
         })
