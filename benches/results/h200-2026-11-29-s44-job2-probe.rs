@@ -1,4 +1,5 @@
-// Session 44, job 2's probe (built with --features cuda as an example, carried compressed).
+// Session 44, jobs 2 and 3's probe (built with --features cuda as an example, carried compressed;
+// PROBE_STAMPS=1, job 3, prints a wall-clock stamp before each form).
 // Probe (session 44): where the explicit fwd+bwd's time goes on CUDA at causal 8192 (bf16 b4 h16
 // d128): GPU event time and host enqueue time per call, forward and backward apart, against the
 // autograd form; then the same after a 16 GiB allocation is made and dropped.
@@ -45,6 +46,10 @@ fn main() -> candle_core::Result<()> {
             println!("-- after a 16 GiB allocation, dropped");
         }
         for (name, f) in cases.iter_mut() {
+            if std::env::var("PROBE_STAMPS").is_ok() {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+                println!("stamp {now:.3} {name} (round {round})");
+            }
             for _ in 0..3 { f()?; }
             dev.synchronize()?;
             let (mut gpu, mut host, mut events) = (Vec::new(), Vec::new(), Vec::new());
@@ -60,6 +65,10 @@ fn main() -> candle_core::Result<()> {
             for (s, e) in events { gpu.push(s.elapsed_ms(&e).w()? as f64 * 1e3); }
             println!("{name:18} gpu us {}   host enqueue us {}", stats(gpu), stats(host));
         }
+    }
+    if std::env::var("PROBE_STAMPS").is_ok() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        println!("stamp {now:.3} end");
     }
     Ok(())
 }
