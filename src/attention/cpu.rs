@@ -129,7 +129,10 @@ impl HeadMask<'_> {
                 let pos = i as i64 + offset;
                 let (first, last) = match kind {
                     Kind::Causal => (i64::MIN, pos),
-                    Kind::Window(w) => (pos - *w as i64 + 1, pos),
+                    Kind::Window(w) => {
+                        let w = i64::try_from(*w).unwrap_or(i64::MAX);
+                        (pos.saturating_sub(w).saturating_add(1), pos)
+                    }
                     _ => (i64::MIN, i64::MAX),
                 };
                 for (j, x) in (j0 as i64..).zip(row.iter_mut()) {

@@ -303,11 +303,12 @@ pub(super) fn generated_tile_state(
             }
         }
         Kind::Window(w) => {
-            let w = *w as i64;
-            // Visible: i - w < j <= i.
-            if j0 > i1 || j1 <= i0 - w {
+            // Visible: i - w < j <= i. A window wider than i64 (as usize::MAX) is the causal
+            // mask; the subtractions saturate (i may be negative: m > n).
+            let w = i64::try_from(*w).unwrap_or(i64::MAX);
+            if j0 > i1 || j1 <= i0.saturating_sub(w) {
                 TILE_EMPTY
-            } else if j1 <= i0 && j0 > i1 - w {
+            } else if j1 <= i0 && j0 > i1.saturating_sub(w) {
                 TILE_FULL
             } else {
                 TILE_PARTIAL

@@ -972,6 +972,47 @@ fn default_options_scale_by_the_head_dim() -> Result<()> {
     Ok(())
 }
 
+/// A window at least as wide as the sequence is the causal mask, up to `usize::MAX` (the
+/// widths past `i64::MAX` included), on every device; m > n too (the first queries sit before
+/// every key).
+#[test]
+fn windows_wider_than_the_sequence_are_causal() -> Result<()> {
+    for dev in devices() {
+        let dtype = if dev.is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        for (m, n) in [(37, 45), (60, 21)] {
+            let (q, k, v) = inputs((1, 2, 2, m, n, 32, 32), dtype, &dev, Views::Plain, 71)?;
+            let causal = to_f64(&masked_attention(
+                &q,
+                &k,
+                &v,
+                &AttentionMask::causal(),
+                0.2,
+            )?)?;
+            for w in [m + n, 1 << 40, (1 << 63) + 5, usize::MAX] {
+                let window = AttentionMask::sliding_window(w);
+                let out = to_f64(&masked_attention(&q, &k, &v, &window, 0.2)?)?;
+                // The same keys in the same order: equal on the CPU; on CUDA the window kernels
+                // may split the diagonal tiles differently, so within a 16-bit rounding.
+                let worst = out
+                    .iter()
+                    .zip(&causal)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                let bound = if dev.is_cpu() { 0.0 } else { 1e-2 };
+                assert!(
+                    worst <= bound,
+                    "window {w}, m {m}, n {n} on {dev:?}: {worst:e} from causal"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How a test's packed projection is laid out.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum PackedLayout {
