@@ -129,10 +129,7 @@ impl HeadMask<'_> {
                 let pos = i as i64 + offset;
                 let (first, last) = match kind {
                     Kind::Causal => (i64::MIN, pos),
-                    Kind::Window(w) => {
-                        let w = i64::try_from(*w).unwrap_or(i64::MAX);
-                        (pos.saturating_sub(w).saturating_add(1), pos)
-                    }
+                    Kind::Window(w) => (pos - *w as i64 + 1, pos),
                     _ => (i64::MIN, i64::MAX),
                 };
                 for (j, x) in (j0 as i64..).zip(row.iter_mut()) {
@@ -405,6 +402,17 @@ fn probabilities<A: AttentionFloat>(s: &mut [A], c: usize, lse: &[f64]) {
     }
 }
 
+/// `dS = P * (dP - delta)` in place of `dP`, row by row (`c` keys a row; `p` and `delta` give
+/// the rows there are).
+#[inline(always)]
+fn score_gradients<A: AttentionFloat>(dp: &mut [A], p: &[A], c: usize, delta: &[A]) {
+    for ((dp, p), &delta) in dp.chunks_mut(c).zip(p.chunks(c)).zip(delta) {
+        for (dp, &p) in dp.iter_mut().zip(p) {
+            *dp = p * (*dp - delta);
+        }
+    }
+}
+
 /// Inputs of the backward, contiguous in the accumulator type: the forward's inputs, its output
 /// and log-sum-exp, and the output's gradient.
 pub(super) struct Saved<'a, A> {
@@ -502,11 +510,7 @@ fn query_gradient_tile<A: AttentionFloat>(
             probabilities(s, c, lse);
             // dP = dO . Vᵀ, dS = P * (dP - delta).
             gemm_into((r, c, dv), &mut dp, (go, dv, 1), (values, 1, dv), false);
-            for ((dp, s), &delta) in dp.chunks_mut(c).zip(s.chunks(c)).zip(delta) {
-                for (dp, &p) in dp.iter_mut().zip(s) {
-                    *dp = p * (*dp - delta);
-                }
-            }
+            score_gradients(&mut dp, s, c, delta);
             gemm_into((r, d, c), dq, (&dp, c, 1), (keys, d, 1), true);
         },
     );
@@ -554,11 +558,7 @@ fn key_value_gradient_tile<A: AttentionFloat>(
             gemm_into((c, dv, r), dvv, (s, 1, c), (go, dv, 1), true);
             // dS = P * (dO . Vᵀ - delta); dK += dSᵀ . Q
             gemm_into((r, c, dv), &mut ds, (go, dv, 1), (values, 1, dv), false);
-            for ((ds, s), &delta) in ds.chunks_mut(c).zip(s.chunks(c)).zip(&delta[row0..]) {
-                for (ds, &p) in ds.iter_mut().zip(s) {
-                    *ds = p * (*ds - delta);
-                }
-            }
+            score_gradients(&mut ds, s, c, &delta[row0..row0 + r]);
             gemm_into((c, d, r), dk, (&ds, 1, c), (q, d, 1), true);
         }
     }
