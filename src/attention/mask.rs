@@ -14,6 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use super::OP;
 
+/// The widest window a mask keeps: any wider one sees what it does (every key up to the query's
+/// position, for any sequence a tensor can hold), and positions minus it stay inside i64.
+const WIDEST_WINDOW: usize = 1 << 62;
+
 /// Which keys each query of [`masked_attention`](super::masked_attention) sees.
 ///
 /// Causal and sliding-window masks are aligned to the bottom right (as FlashAttention 2.1 and
@@ -104,9 +108,10 @@ impl AttentionMask {
     }
 
     /// Causal, and key `j` is visible to query `i` only when `(i + n - m) - j < window`: each
-    /// query sees itself and the `window - 1` keys before it. A window of 0 hides every key.
+    /// query sees itself and the `window - 1` keys before it. A window of 0 hides every key; one
+    /// at least as long as the sequence is the causal mask (up to `usize::MAX`).
     pub fn sliding_window(window: usize) -> Self {
-        Self::new(Kind::Window(window))
+        Self::new(Kind::Window(window.min(WIDEST_WINDOW)))
     }
 
     /// Packed documents: `ids` is `[batch, seq]` (u32 or i64), query `i` sees key `j` iff
@@ -303,12 +308,11 @@ pub(super) fn generated_tile_state(
             }
         }
         Kind::Window(w) => {
-            // Visible: i - w < j <= i. A window wider than i64 (as usize::MAX) is the causal
-            // mask; the subtractions saturate (i may be negative: m > n).
-            let w = i64::try_from(*w).unwrap_or(i64::MAX);
-            if j0 > i1 || j1 <= i0.saturating_sub(w) {
+            let w = *w as i64;
+            // Visible: i - w < j <= i.
+            if j0 > i1 || j1 <= i0 - w {
                 TILE_EMPTY
-            } else if j1 <= i0 && j0 > i1.saturating_sub(w) {
+            } else if j1 <= i0 && j0 > i1 - w {
                 TILE_FULL
             } else {
                 TILE_PARTIAL
