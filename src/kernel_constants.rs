@@ -140,6 +140,9 @@ pub mod attention {
     /// (each warp 32 queries x 32 keys of S and dP, 32 keys x 64 head columns of dK / dV).
     pub const ONE_PASS_KEYS: usize = 128;
     pub const ONE_PASS_WARPS: usize = 8;
+    /// Shared-memory stages of the one-pass backward's Q / dO tiles (with two P / dS buffers, one
+    /// barrier per query tile; its tiles are swizzled, unpadded, to fit).
+    pub const ONE_PASS_STAGES: usize = 3;
     /// The Hopper forward's block: a producer warpgroup and this many consumer warpgroups (128
     /// threads, a mask tile of 64 queries each), which share the block's K / V tiles.
     pub const HOPPER_CONSUMERS: usize = 2;

@@ -264,7 +264,8 @@ template <typename T> static int run_case(const Case& c, uint64_t seed, bool run
             attention_delta_##S(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(), delta.data(),       \
                                 nullptr, dk.data(), dvv.data(), st, de, id, a);                                     \
         });                                                                                                         \
-        const size_t smem1 = (2 * 128 + 6 * 64) * (128 + C::ROW_PAD) * sizeof(T) + 4 * 64 * 4;       \
+        const size_t smem1 = (2 * 128 + (2 * C::ONE_PASS_STAGES + 4) * 64) * 128 * sizeof(T) +                     \
+                             2 * C::ONE_PASS_STAGES * 64 * 4;                                                  \
         launch(blocks(c.b * c.hk * ((c.n + 127) / 128)), 256, smem1, [&] {                                          \
             PICK(attention_bwd, 128, S)(q.data(), k.data(), v.data(), go.data(), out.data(), lse.data(),               \
                                          delta.data(), nullptr, dk.data(), dvv.data(), st, de, id, a,              \

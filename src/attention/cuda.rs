@@ -209,11 +209,12 @@ const ONE_PASS_PAIR_GROUP: i64 = 4;
 const ONE_PASS_KEYS: usize = C::ONE_PASS_KEYS;
 const ONE_PASS_THREADS: u32 = (C::ONE_PASS_WARPS * 32) as u32;
 
-/// The one-pass backward's dynamic shared memory: K and V (ONE_PASS_KEYS rows each), two stages
-/// of Q and dO and one of P and dS (TILE_Q rows each), rows of 128 + ROW_PAD elements; then two
-/// stages of the tile's lse and delta (f32).
+/// The one-pass backward's dynamic shared memory: K and V (ONE_PASS_KEYS rows each),
+/// ONE_PASS_STAGES stages of Q and dO and two buffers of P and dS (TILE_Q rows each), rows of 128
+/// elements (swizzled, no padding); then ONE_PASS_STAGES stages of the tile's lse and delta (f32).
 fn one_pass_shared_bytes(elem: usize) -> usize {
-    (2 * ONE_PASS_KEYS + 6 * TILE_Q) * (ONE_PASS_HEAD_TILE + C::ROW_PAD) * elem + 4 * TILE_Q * 4
+    let rows = 2 * ONE_PASS_KEYS + 2 * C::ONE_PASS_STAGES * TILE_Q + 4 * TILE_Q;
+    rows * ONE_PASS_HEAD_TILE * elem + 2 * C::ONE_PASS_STAGES * TILE_Q * 4
 }
 
 /// Whether the backward runs as one pass (`bwd_tc`: S and dP once per tile pair, dq summed with

@@ -74,71 +74,99 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
 // (g = lane / 4, t = lane % 4), rows g and g + 8, columns 2t and 2t + 1: element r of the four
 // is at row g + (r / 2) * 8, column 2t + (r % 2).
 
+// Shared-tile layouts: L::at(row, col) is the element offset of (row, col), col a multiple of 8
+// wherever 16 bytes are read or copied at once. Padded<LD>: rows LD elements apart (LD - width
+// elements of padding put the eight rows one ldmatrix phase reads in eight different bank groups).
+// Swizzled128: rows of 128 16-bit elements with no padding, the 16-byte chunk c of row r stored at
+// chunk c ^ (r % 8), which spreads those eight rows over the banks the same way (and one 128-byte
+// phase of a cp.async row copy over all 32 banks).
+template <int LD> struct Padded {
+    __host__ __device__ __forceinline__ static constexpr int at(int row, int col) { return row * LD + col; }
+};
+template <int W> struct Swizzled {
+    static_assert(W % 64 == 0, "whole 128-byte groups of 16-bit elements");
+    __host__ __device__ __forceinline__ static constexpr int at(int row, int col) {
+        return row * W + (col ^ ((row & 7) << 3));
+    }
+};
+using Swizzled128 = Swizzled<128>;
+// The layout of the kernels' padded tiles of head dim D.
+template <int D> using RowPadded = Padded<D + AC::ROW_PAD>;
+
+// x, opaque to the optimizer: what is computed from it is computed again after this point instead
+// of being carried in registers from before it (a swizzled tile's ldmatrix addresses, one per
+// k-step and lane, would otherwise be hoisted out of the item loop and pinned in registers).
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
 // Copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a row-major global tile
-// into a ROWS x D shared tile of row stride D + ROW_PAD; the rest of the shared tile becomes zero.
+// into a ROWS x D shared tile of layout L; the rest of the shared tile becomes zero.
 // A thread copies one 16-byte column chunk of every (THREADS / (D / 8))-th row, so that its
 // addresses advance by constants: one bounds test per copy, none in a whole tile.
-template <typename T, int D, int ROWS = 64, int NTHREADS = THREADS>
+template <typename T, int D, int ROWS = 64, int NTHREADS = THREADS, class L = RowPadded<D>>
 __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int64_t rows, int64_t cols) {
-    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS, PASSES = ROWS / ROW_STEP;
+    constexpr int CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS, PASSES = ROWS / ROW_STEP;
     static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
     // Rows this thread copies: r0 + ROW_STEP * pass for pass < live (0 past the operand's columns).
     const int64_t live_rows = col < cols ? min(rows, static_cast<int64_t>(ROWS)) - r0 : 0;
     const T* from = src + r0 * row_stride + col;
-    const uint32_t to = shared_address(tile + r0 * LD + col);
+    const uint32_t to = shared_address(tile + L::at(r0, col));
+    auto to_row = [&](int pass) {  // a constant offset from `to` (ROW_STEP is a multiple of 8 where swizzled)
+        return to + (L::at(r0 + pass * ROW_STEP, col) - L::at(r0, col)) * static_cast<int>(sizeof(T));
+    };
     const int64_t step = ROW_STEP * row_stride;
     if (live_rows > ROWS - ROW_STEP) {
 #pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass)
-            cp_async16(to + pass * ROW_STEP * LD * static_cast<int>(sizeof(T)), from + pass * step, 16);
+        for (int pass = 0; pass < PASSES; ++pass) cp_async16(to_row(pass), from + pass * step, 16);
     } else {
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
             const bool valid = pass * ROW_STEP < live_rows;
-            cp_async16(to + pass * ROW_STEP * LD * static_cast<int>(sizeof(T)), valid ? from + pass * step : src,
-                       valid ? 16 : 0);
+            cp_async16(to_row(pass), valid ? from + pass * step : src, valid ? 16 : 0);
         }
     }
 }
 
 // load_tile's inverse: copies rows [0, rows) and columns [0, cols) (cols a multiple of 8) of a
-// ROWS x D shared tile of row stride D + ROW_PAD into a row-major global tile (16-byte aligned
-// rows), 16 bytes a thread.
-template <typename T, int D, int ROWS, int NTHREADS>
+// ROWS x D shared tile of layout L into a row-major global tile (16-byte aligned rows), 16 bytes a
+// thread.
+template <typename T, int D, int ROWS, int NTHREADS, class L = RowPadded<D>>
 __device__ __forceinline__ void store_tile(T* dst, int64_t row_stride, const T* tile, int64_t rows, int64_t cols) {
-    constexpr int LD = D + AC::ROW_PAD, CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS;
+    constexpr int CHUNKS = D / 8, ROW_STEP = NTHREADS / CHUNKS;
     static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
     if (col >= cols) return;
 #pragma unroll
     for (int r = r0; r < ROWS; r += ROW_STEP)
-        if (r < rows) *reinterpret_cast<uint4*>(dst + r * row_stride + col) = *reinterpret_cast<const uint4*>(tile + r * LD + col);
+        if (r < rows) *reinterpret_cast<uint4*>(dst + r * row_stride + col) = *reinterpret_cast<const uint4*>(tile + L::at(r, col));
 }
 
 // A fragment (16 rows from r0 x 16 columns from k0) of a row-major [row][k] shared tile.
-template <typename T, int LD>
+template <typename T, class L>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
-    ldmatrix_x4<false>(a, shared_address(tile + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
+    ldmatrix_x4<false>(a, shared_address(tile + L::at(r0 + (lane & 15), k0 + (lane >> 4) * 8)));
 }
 
 // The same fragment from a shared tile stored [k][row] (columns r0.., rows k0..).
-template <typename T, int LD>
+template <typename T, class L>
 __device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
-    ldmatrix_x4<true>(a, shared_address(tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LD + r0 + ((lane >> 3) & 1) * 8));
+    ldmatrix_x4<true>(a, shared_address(tile + L::at(k0 + (lane & 7) + (lane >> 4) * 8, r0 + ((lane >> 3) & 1) * 8)));
 }
 
 // B fragments of two 8-column tiles (n0 and n0 + 8; b[0..1] and b[2..3]), k from k0, of a shared
 // tile stored [n][k].
-template <typename T, int LD>
+template <typename T, class L>
 __device__ __forceinline__ void load_b(uint32_t (&b)[4], const T* tile, int n0, int k0, int lane) {
-    ldmatrix_x4<false>(b, shared_address(tile + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + k0 + ((lane >> 3) & 1) * 8));
+    ldmatrix_x4<false>(b, shared_address(tile + L::at(n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8)));
 }
 
 // The same from a shared tile stored [k][n].
-template <typename T, int LD>
+template <typename T, class L>
 __device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const T* tile, int k0, int n0, int lane) {
-    ldmatrix_x4<true>(b, shared_address(tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
+    ldmatrix_x4<true>(b, shared_address(tile + L::at(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8)));
 }
 
 // Calls fn(f, nt, r) for every element r of every fragment (f, nt) of MF x NT accumulator fragments.
@@ -162,7 +190,7 @@ __device__ __forceinline__ void zero_fragments(float (&acc)[MF][NT][4]) {
 // load_tile, which zero-fills the columns past the operands' own (d or dv below K), so those add
 // exact zeros: a head dim below the kernel's K costs K's time. The loop has no per-step bound
 // test, so that ptxas can issue the next step's ldmatrix before this step's mma.
-template <typename T, int K, int LD, int MF, int NT>
+template <typename T, int K, class L, int MF, int NT>
 __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
                                             int lane) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of 8-column tiles");
@@ -171,11 +199,11 @@ __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_
     for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t a[MF][4];
 #pragma unroll
-        for (int f = 0; f < MF; ++f) load_a<T, LD>(a[f], a_tile, r0 + 16 * f, kk * 16, lane);
+        for (int f = 0; f < MF; ++f) load_a<T, L>(a[f], a_tile, r0 + 16 * f, kk * 16, lane);
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
-            load_b<T, LD>(b, b_tile, n0 + np * 16, kk * 16, lane);
+            load_b<T, L>(b, b_tile, n0 + np * 16, kk * 16, lane);
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
                 mma_m16n8k16<T>(acc[f][2 * np], a[f], b[0], b[1]);
@@ -188,7 +216,7 @@ __device__ __forceinline__ void product_abt(float (&acc)[MF][NT][4], const T* a_
 // acc1 = rows r0.. of a1 . rows n0.. of b1ᵀ and acc2 the same of a2 and b2 (16 x 8 NT each, as
 // product_abt with MF = 1), each k-step issuing the mma of both: twice the independent
 // accumulators of one product, for the tensor cores' latency.
-template <typename T, int K, int LD, int NT>
+template <typename T, int K, class L, int NT>
 __device__ __forceinline__ void product_abt_pair(float (&acc1)[1][NT][4], const T* a1, const T* b1,
                                                  float (&acc2)[1][NT][4], const T* a2, const T* b2, int r0, int n0,
                                                  int lane) {
@@ -198,13 +226,13 @@ __device__ __forceinline__ void product_abt_pair(float (&acc1)[1][NT][4], const 
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t x1[4], x2[4];
-        load_a<T, LD>(x1, a1, r0, kk * 16, lane);
-        load_a<T, LD>(x2, a2, r0, kk * 16, lane);
+        load_a<T, L>(x1, a1, r0, kk * 16, lane);
+        load_a<T, L>(x2, a2, r0, kk * 16, lane);
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t y1[4], y2[4];
-            load_b<T, LD>(y1, b1, n0 + np * 16, kk * 16, lane);
-            load_b<T, LD>(y2, b2, n0 + np * 16, kk * 16, lane);
+            load_b<T, L>(y1, b1, n0 + np * 16, kk * 16, lane);
+            load_b<T, L>(y2, b2, n0 + np * 16, kk * 16, lane);
             mma_m16n8k16<T>(acc1[0][2 * np], x1, y1[0], y1[1]);
             mma_m16n8k16<T>(acc2[0][2 * np], x2, y2[0], y2[1]);
             mma_m16n8k16<T>(acc1[0][2 * np + 1], x1, y1[2], y1[3]);
@@ -215,7 +243,7 @@ __device__ __forceinline__ void product_abt_pair(float (&acc1)[1][NT][4], const 
 
 // acc (16 MF x N) += p (16 MF x 16 KS, A fragments) . rows k0.. (16 KS) of `b_tile` (stored
 // [k][n]), over all N columns (zero past the operand's own, as in product_abt).
-template <typename T, int N, int LD, int MF, int KS>
+template <typename T, int N, class L, int MF, int KS>
 __device__ __forceinline__ void product_pb(float (&acc)[MF][N / 8][4], const uint32_t (&p)[MF][KS][4],
                                            const T* b_tile, int k0, int lane) {
 #pragma unroll
@@ -223,7 +251,7 @@ __device__ __forceinline__ void product_pb(float (&acc)[MF][N / 8][4], const uin
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             uint32_t b[4];
-            load_b_trans<T, LD>(b, b_tile, k0 + kk * 16, dt * 16, lane);
+            load_b_trans<T, L>(b, b_tile, k0 + kk * 16, dt * 16, lane);
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
                 mma_m16n8k16<T>(acc[f][2 * dt], p[f][kk], b[0], b[1]);
@@ -318,25 +346,40 @@ __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next
 }
 
 
-// pipeline<2> with one barrier an item fewer, for work that writes block-wide scratch only after a
-// barrier of its own: the next item's copies are issued after the barrier that opens this item
-// (every warp has then left the previous item, the last reader of that stage and of the scratch).
-template <class Next, class Load, class Work>
-__device__ __forceinline__ void pipeline_issue_after_barrier(int64_t first, int64_t end, Next&& next, Load&& load,
-                                                             Work&& work) {
-    int64_t item = first;
-    if (item < end) load(item, 0);
+// The pipeline of work whose items come in two halves around one barrier: `produce(item, stage,
+// buffer)` writes the item's block-wide scratch buffer `buffer` (of two) from its stage, and
+// `consume(item, stage, buffer)` reads every warp's scratch and the stage again. One barrier an
+// item, between the halves: before it each thread waits for its copies of the next item, after
+// it the item after that is issued into the stage the previous item used (every warp has left
+// that item's consume, the last reader of the stage and of the other scratch buffer). So the copies
+// of an item have a consume and a produce to land in, and STAGES is 3.
+template <int STAGES, class Next, class Load, class Produce, class Consume>
+__device__ __forceinline__ void pipeline_one_barrier(int64_t first, int64_t end, Next&& next, Load&& load,
+                                                     Produce&& produce, Consume&& consume) {
+    static_assert(STAGES == 3, "items i, i + 1 and i + 2 in flight");
+    int64_t item = first, following = end;
+    if (item < end) {
+        load(item, 0);
+        following = next(item);
+    }
     cp_async_commit();
-    int stage = 0;
+    if (following < end) load(following, 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    int stage = 0, buffer = 0;
     while (item < end) {
-        const int64_t following = next(item);
+        produce(item, stage, buffer);
         cp_async_wait<0>();
         __syncthreads();
-        if (following < end) load(following, stage ^ 1);
+        const int64_t after = following < end ? next(following) : end;
+        if (after < end) load(after, stage == 0 ? 2 : stage - 1);
         cp_async_commit();
-        work(item, stage);
-        stage ^= 1;
+        consume(item, stage, buffer);
+        stage = stage == 2 ? 0 : stage + 1;
+        buffer ^= 1;
         item = following;
+        following = after;
     }
     cp_async_wait<0>();
 }
@@ -428,7 +471,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
         constexpr int NT = CHUNK / 8;
-        product_abt<T, D, D + AC::ROW_PAD, MF, NT>(s, sq, r0, sk, c * CHUNK, lane);
+        product_abt<T, D, RowPadded<D>, MF, NT>(s, sq, r0, sk, c * CHUNK, lane);
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
@@ -498,7 +541,7 @@ template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
+    constexpr int S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
     constexpr int MF = query_tiles<D>(), CHUNK = FORWARD_CHUNK, NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
@@ -570,7 +613,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             uint32_t p[MF][CHUNK / 16][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK / 16>(p[f], s[f]);
-            product_pb<T, D, LD, MF, CHUNK / 16>(o, p, v_tile, c * CHUNK, lane);
+            product_pb<T, D, RowPadded<D>, MF, CHUNK / 16>(o, p, v_tile, c * CHUNK, lane);
     });
 
 #pragma unroll
@@ -592,7 +635,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
 // (in f32 from the operand type), which the dk / dv pass reads, is written here.
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
+    constexpr int S = stages<D>(Pass::Dq), E = tile_elements<T, D>();
     constexpr int MF = query_tiles<D>(), CHUNK = dq_chunk<D>(), NT = CHUNK / 8;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
@@ -636,7 +679,7 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
             tile.template chunk_scores<CHUNK>(
                 s, sq, warp * 16 * MF, k_tile, kt, c, partial, row0, lane,
                 [&](float x, int f, int r) { return exp2f(fmaf(x, a.scale_log2, -row_lse[f][r >> 1])); }, 0.f);
-            product_abt<T, D, LD, MF, NT>(dp, sdo, warp * 16 * MF, v_tile, c * CHUNK, lane);
+            product_abt<T, D, RowPadded<D>, MF, NT>(dp, sdo, warp * 16 * MF, v_tile, c * CHUNK, lane);
             uint32_t ds[MF][CHUNK / 16][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
@@ -649,7 +692,7 @@ __device__ __forceinline__ void dq_tc(const BackwardOperands<T>& ops, const Atte
                     }
                 to_a_fragments<T, CHUNK / 16>(ds[f], s[f]);
             }
-            product_pb<T, D, LD, MF, CHUNK / 16>(acc, ds, k_tile, c * CHUNK, lane);
+            product_pb<T, D, RowPadded<D>, MF, CHUNK / 16>(acc, ds, k_tile, c * CHUNK, lane);
     });
 #pragma unroll
     for (int f = 0; f < MF; ++f)
@@ -693,7 +736,7 @@ __device__ __forceinline__ void per_row(float (&acc)[MF][NT][4], const float* st
 // the kernel instance.
 template <typename T, int D, int PARTS, int MASKS>
 __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const AttentionArgs& a) {
-    constexpr int LD = D + AC::ROW_PAD, S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
+    constexpr int S = stages<D>(Pass::Dkdv), E = tile_elements<T, D>();
     extern __shared__ uint4 shared_raw[];
     T* sk = reinterpret_cast<T*>(shared_raw);
     T* sv = sk + E;
@@ -758,10 +801,10 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             auto& s = st[0];
             auto& dp = dpt[0];
             if constexpr (PARTS == 3)  // both products at once (twice the independent mma)
-                product_abt_pair<T, D, LD, CHUNK_TILES>(st, sk, sq + stage * E, dpt, sv, sdo + stage * E, warp * 16,
+                product_abt_pair<T, D, RowPadded<D>, CHUNK_TILES>(st, sk, sq + stage * E, dpt, sv, sdo + stage * E, warp * 16,
                                                         c * KEY_CHUNK, lane);
             else
-                product_abt<T, D, LD, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
+                product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
             per_column(s, s_lse + stage * BQ + col0,
                        [&](float x, float lse, int, int) { return exp2f(fmaf(x, a.scale_log2, -row_lse2(lse))); });
             if (partial && mask.generated()) {
@@ -787,16 +830,16 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             if constexpr ((PARTS & 1) != 0) {
                 uint32_t p[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(p[0], s);
-                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, lane);
+                product_pb<T, D, RowPadded<D>, 1, CHUNK_STEPS>(acc_dv, p, sdo + stage * E, c * KEY_CHUNK, lane);
             }
             if constexpr ((PARTS & 2) != 0) {
                 if constexpr (PARTS != 3)
-                    product_abt<T, D, LD, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
+                    product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
                 per_column(s, s_delta + stage * BQ + col0,
                            [&](float x, float delta_j, int nt, int r) { return x * (dp[nt][r] - delta_j); });
                 uint32_t ds[1][CHUNK_STEPS][4];
                 to_a_fragments<T, CHUNK_STEPS>(ds[0], s);
-                product_pb<T, D, LD, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, lane);
+                product_pb<T, D, RowPadded<D>, 1, CHUNK_STEPS>(acc_dk, ds, sq + stage * E, c * KEY_CHUNK, lane);
             }
         }
     };
@@ -813,18 +856,21 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
 
 // ---- The one-pass backward (head tile 128; the host picks it, see one_pass_backward in
 // src/attention/cuda.rs). A block of ONE_PASS_WARPS warps owns ONE_PASS_KEYS keys and walks the
-// query tiles of every query head of its group, Q / dO in two stages: S and dP once per 64
-// queries (a warp 32 queries x 32 keys), P and dS through shared memory, dK / dV accumulated per
-// warp over 32 keys x 64 head columns, and dS K (a warp 32 queries x 32 head columns) added
-// into dq_accum (f32, zeroed; the fragment order of dq_fragment<128, 2>, attention_common.cuh)
-// by 16-byte reductions, which attention_dq_rows_d128_* then scales into dq: dq's bits depend
-// on the order of the additions.
+// query tiles of every query head of its group, Q / dO in ONE_PASS_STAGES stages: S and dP once
+// per 64 queries (a warp 32 queries x 32 keys), P and dS through shared memory (two buffers,
+// alternate items), dK / dV accumulated per warp over 32 keys x 64 head columns, and dS K (a warp
+// 32 queries x 32 head columns) added into dq_accum (f32, zeroed; the fragment order of
+// dq_fragment<128, 2>, attention_common.cuh) by 16-byte reductions, which
+// attention_dq_rows_d128_* then scales into dq: dq's bits depend on the order of the additions.
+// Every shared tile is Swizzled128 (no padding), which is what lets the third stage and the second
+// P / dS buffer fit, and those are what let an item take one barrier (pipeline_one_barrier).
 constexpr int BWD_THREADS = AC::ONE_PASS_WARPS * 32, BWD_KEYS = AC::ONE_PASS_KEYS;
 static_assert(BWD_THREADS == 256 && BWD_KEYS == 128, "the warp roles of bwd_tc: 2 x 4 over S, 4 x 2 over dK / dV");
 
 // acc (16 MF x 8 NT) += A B over K, B stored [k][n] (columns n0..); A stored [row][k] (rows
-// r0..), or [k][row] where A_K_MAJOR (so that the product is Aᵀ B of the stored tile).
-template <typename T, int K, int LDA, int LDB, int MF, int NT, bool A_K_MAJOR = false>
+// r0..), or [k][row] where A_K_MAJOR (so that the product is Aᵀ B of the stored tile); both
+// tiles of layout L.
+template <typename T, int K, class L, int MF, int NT, bool A_K_MAJOR = false>
 __device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_tile, int r0, const T* b_tile, int n0,
                                            int lane) {
 #pragma unroll
@@ -832,13 +878,13 @@ __device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_t
         uint32_t x[MF][4];
 #pragma unroll
         for (int f = 0; f < MF; ++f) {
-            if constexpr (A_K_MAJOR) load_a_trans<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
-            else load_a<T, LDA>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+            if constexpr (A_K_MAJOR) load_a_trans<T, L>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
+            else load_a<T, L>(x[f], a_tile, r0 + 16 * f, kk * 16, lane);
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t y[4];
-            load_b_trans<T, LDB>(y, b_tile, kk * 16, n0 + np * 16, lane);
+            load_b_trans<T, L>(y, b_tile, kk * 16, n0 + np * 16, lane);
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
                 mma_m16n8k16<T>(acc[f][2 * np], x[f], y[0], y[1]);
@@ -850,17 +896,18 @@ __device__ __forceinline__ void product_ab(float (&acc)[MF][NT][4], const T* a_t
 
 template <typename T, int MASKS>
 __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq_accum, const AttentionArgs& a) {
-    constexpr int D = 128, LD = D + AC::ROW_PAD, KB = BWD_KEYS, PLD = KB + AC::ROW_PAD;
-    constexpr int KE = KB * LD, QE = BQ * LD;
+    constexpr int D = 128, KB = BWD_KEYS, STAGES = AC::ONE_PASS_STAGES;
+    using L = Swizzled128;  // every tile below: rows of 128 elements (D or KB)
+    constexpr int KE = KB * D, QE = BQ * D, PE = BQ * KB;
     extern __shared__ uint4 shared_raw[];
     T* sk = reinterpret_cast<T*>(shared_raw);
     T* sv = sk + KE;
-    T* sq = sv + KE;          // 2 stages
-    T* sdo = sq + 2 * QE;     // 2 stages
-    T* sp = sdo + 2 * QE;     // P [BQ][PLD]
-    T* sds = sp + BQ * PLD;   // dS [BQ][PLD]
-    float* s_lse = reinterpret_cast<float*>(sds + BQ * PLD);  // [2][BQ]
-    float* s_delta = s_lse + 2 * BQ;                          // [2][BQ]
+    T* sq = sv + KE;               // STAGES stages
+    T* sdo = sq + STAGES * QE;     // STAGES stages
+    T* sp = sdo + STAGES * QE;     // P [BQ][KB], two buffers
+    T* sds = sp + 2 * PE;          // dS [BQ][KB], two buffers
+    float* s_lse = reinterpret_cast<float*>(sds + 2 * PE);  // [STAGES][BQ]
+    float* s_delta = s_lse + STAGES * BQ;                    // [STAGES][BQ]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // The block: keys j0 .. j0 + KB - 1 of (b, hk). Blocks go bwd_pair_group (batch, kv head)
     // pairs at a time, key block by key block within a group (the keys most queries see first,
@@ -876,9 +923,9 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
     const int64_t group = a.heads / a.kv_heads, h0 = hk * group;
     const KernelMask<MASKS> mask{{a, ops.states, ops.dense, ops.ids, b}};
     const int64_t j0 = kb * KB, keys = min(static_cast<int64_t>(KB), a.n - j0);
-    load_tile<T, D, KB, BWD_THREADS>(sk, ops.k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2],
+    load_tile<T, D, KB, BWD_THREADS, L>(sk, ops.k + b * a.k_strides[0] + hk * a.k_strides[1] + j0 * a.k_strides[2],
                                       a.k_strides[2], keys, a.d);
-    load_tile<T, D, KB, BWD_THREADS>(sv, ops.v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2],
+    load_tile<T, D, KB, BWD_THREADS, L>(sv, ops.v + b * a.v_strides[0] + hk * a.v_strides[1] + j0 * a.v_strides[2],
                                       a.v_strides[2], keys, a.dv);
     // Warp roles: S / dP and dQ rows (queries), S / dP keys, dK / dV keys and head columns, dQ
     // head columns; the mask tile of this warp's 32 keys of S.
@@ -922,13 +969,15 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
     auto load = [&](int64_t item, int stage) {
         const int64_t h = h0 + (item >> 32), i0 = (item & 0xffffffffll) * BQ, rows = min(static_cast<int64_t>(BQ), a.m - i0);
         const int64_t bh = b * a.heads + h;
-        load_tile<T, D, 64, BWD_THREADS>(sq + stage * QE, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
+        load_tile<T, D, 64, BWD_THREADS, L>(sq + stage * QE, ops.q + b * a.q_strides[0] + h * a.q_strides[1] + i0 * a.q_strides[2],
                                           a.q_strides[2], rows, a.d);
-        load_tile<T, D, 64, BWD_THREADS>(sdo + stage * QE, ops.grad_out + row_offset(a.o_strides, b, h, i0),
+        load_tile<T, D, 64, BWD_THREADS, L>(sdo + stage * QE, ops.grad_out + row_offset(a.o_strides, b, h, i0),
                                           a.o_strides[2], rows, a.dv);
         load_row_stats<BWD_THREADS>(s_lse + stage * BQ, s_delta + stage * BQ, ops.lse, ops.delta, bh * a.m + i0, rows);
     };
-    auto work = [&](int64_t item, int stage) {
+    // S and dP of an item, then its P and dS into buffer `buffer`.
+    auto scores = [&](int64_t item, int stage, int buffer) {
+        const int lane = opaque(threadIdx.x & 31);
         const T* sq_ = sq + stage * QE;
         const T* sdo_ = sdo + stage * QE;
         const float* s_lse_ = s_lse + stage * BQ;
@@ -939,8 +988,8 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
         // S and dP (32 queries x 32 keys a warp), then P and dS into shared memory.
         float s[2][4][4], dp[2][4][4];
         if (state != TILE_EMPTY) {
-            product_abt<T, D, LD, 2, 4>(s, sq_, q_row, sk, s_key, lane);
-            product_abt<T, D, LD, 2, 4>(dp, sdo_, q_row, sv, s_key, lane);
+            product_abt<T, D, L, 2, 4>(s, sq_, q_row, sk, s_key, lane);
+            product_abt<T, D, L, 2, 4>(dp, sdo_, q_row, sv, s_key, lane);
             // P = exp2(S scale_log2 - lse), then zero where a partial tile's mask hides the key
             // (a separate, warp-uniform branch), then dS = P (dP - delta).
             per_row(s, s_lse_ + q_row, lane,
@@ -978,24 +1027,34 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
             zero_fragments(s);
             zero_fragments(dp);
         }
+        T* sp_ = sp + buffer * PE;
+        T* sds_ = sds + buffer * PE;
 #pragma unroll
         for (int f = 0; f < 2; ++f)
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    const int at = (q_row + 16 * f + g + 8 * half) * PLD + s_key + nt * 8 + 2 * t;
-                    *reinterpret_cast<uint32_t*>(sp + at) = pack2<T>(s[f][nt][2 * half], s[f][nt][2 * half + 1]);
-                    *reinterpret_cast<uint32_t*>(sds + at) = pack2<T>(dp[f][nt][2 * half], dp[f][nt][2 * half + 1]);
+                    const int at = L::at(q_row + 16 * f + g + 8 * half, s_key + nt * 8 + 2 * t);
+                    *reinterpret_cast<uint32_t*>(sp_ + at) = pack2<T>(s[f][nt][2 * half], s[f][nt][2 * half + 1]);
+                    *reinterpret_cast<uint32_t*>(sds_ + at) = pack2<T>(dp[f][nt][2 * half], dp[f][nt][2 * half + 1]);
                 }
-        __syncthreads();
+    };
+    // The products of an item's P and dS (every warp's, in buffer `buffer`).
+    auto gradients = [&](int64_t item, int stage, int buffer) {
+        const int lane = opaque(threadIdx.x & 31);
+        const T* sq_ = sq + stage * QE;
+        const T* sdo_ = sdo + stage * QE;
+        const T* sp_ = sp + buffer * PE;
+        const T* sds_ = sds + buffer * PE;
+        const int64_t h = h0 + (item >> 32), qt = item & 0xffffffffll;
         // dV += Pᵀ dO and dK += dSᵀ Q (32 keys x 64 head columns a warp).
-        product_ab<T, BQ, PLD, LD, 2, 8, true>(acc_dv, sp, kv_row, sdo_, kv_col, lane);
-        product_ab<T, BQ, PLD, LD, 2, 8, true>(acc_dk, sds, kv_row, sq_, kv_col, lane);
+        product_ab<T, BQ, L, 2, 8, true>(acc_dv, sp_, kv_row, sdo_, kv_col, lane);
+        product_ab<T, BQ, L, 2, 8, true>(acc_dk, sds_, kv_row, sq_, kv_col, lane);
         // dQ += scale * dS K over the block's 128 keys (32 queries x 32 head columns a warp).
         float acc_dq[2][4][4];
         zero_fragments(acc_dq);
-        product_ab<T, KB, PLD, LD, 2, 4>(acc_dq, sds, q_row, sk, dq_col, lane);
+        product_ab<T, KB, L, 2, 4>(acc_dq, sds_, q_row, sk, dq_col, lane);
         // Into dq_accum in fragment order (attention_common.cuh; two column blocks of 64).
         float4* dq_tile = reinterpret_cast<float4*>(dq_accum);
 #pragma unroll
@@ -1006,7 +1065,7 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
                                            dq_col / 8 + nt, lane),
                          make_float4(acc_dq[f][nt][0], acc_dq[f][nt][1], acc_dq[f][nt][2], acc_dq[f][nt][3]));
     };
-    pipeline_issue_after_barrier(next(-1), end, next, load, work);
+    pipeline_one_barrier<STAGES>(next(-1), end, next, load, scores, gradients);
     // dK (times the scale) and dV through the K and V tiles' room (free once every warp has left
     // the loop), then out 16 bytes a thread.
     __syncthreads();
@@ -1016,14 +1075,14 @@ __device__ __forceinline__ void bwd_tc(const BackwardOperands<T>& ops, float* dq
         for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
-                const int at = (kv_row + 16 * f + g + 8 * half) * LD + kv_col + nt * 8 + 2 * t;
+                const int at = L::at(kv_row + 16 * f + g + 8 * half, kv_col + nt * 8 + 2 * t);
                 *reinterpret_cast<uint32_t*>(sk + at) =
                     pack2<T>(acc_dk[f][nt][2 * half] * a.scale, acc_dk[f][nt][2 * half + 1] * a.scale);
                 *reinterpret_cast<uint32_t*>(sv + at) = pack2<T>(acc_dv[f][nt][2 * half], acc_dv[f][nt][2 * half + 1]);
             }
     __syncthreads();
-    store_tile<T, D, KB, BWD_THREADS>(ops.dk + row_offset(a.dk_strides, b, hk, j0), a.dk_strides[2], sk, keys, a.d);
-    store_tile<T, D, KB, BWD_THREADS>(ops.dv + row_offset(a.dv_strides, b, hk, j0), a.dv_strides[2], sv, keys, a.dv);
+    store_tile<T, D, KB, BWD_THREADS, L>(ops.dk + row_offset(a.dk_strides, b, hk, j0), a.dk_strides[2], sk, keys, a.d);
+    store_tile<T, D, KB, BWD_THREADS, L>(ops.dv + row_offset(a.dv_strides, b, hk, j0), a.dv_strides[2], sv, keys, a.dv);
 }
 
 // The one argument list of the backward kernels, and their operands from it.
