@@ -114,7 +114,8 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
     const int64_t live_rows = col < cols ? min(rows, static_cast<int64_t>(ROWS)) - r0 : 0;
     const T* from = src + r0 * row_stride + col;
     const uint32_t to = shared_address(tile + L::at(r0, col));
-    auto to_row = [&](int pass) {  // a constant offset from `to` (ROW_STEP is a multiple of 8 where swizzled)
+    // Pass `pass`'s row through the layout, as an offset from `to` (a constant step for Padded).
+    auto to_row = [&](int pass) {
         return to + (L::at(r0 + pass * ROW_STEP, col) - L::at(r0, col)) * static_cast<int>(sizeof(T));
     };
     const int64_t step = ROW_STEP * row_stride;
@@ -141,7 +142,8 @@ __device__ __forceinline__ void store_tile(T* dst, int64_t row_stride, const T* 
     if (col >= cols) return;
 #pragma unroll
     for (int r = r0; r < ROWS; r += ROW_STEP)
-        if (r < rows) *reinterpret_cast<uint4*>(dst + r * row_stride + col) = *reinterpret_cast<const uint4*>(tile + L::at(r, col));
+        if (r < rows)
+            *reinterpret_cast<uint4*>(dst + r * row_stride + col) = *reinterpret_cast<const uint4*>(tile + L::at(r, col));
 }
 
 // A fragment (16 rows from r0 x 16 columns from k0) of a row-major [row][k] shared tile.
@@ -801,10 +803,11 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             auto& s = st[0];
             auto& dp = dpt[0];
             if constexpr (PARTS == 3)  // both products at once (twice the independent mma)
-                product_abt_pair<T, D, RowPadded<D>, CHUNK_TILES>(st, sk, sq + stage * E, dpt, sv, sdo + stage * E, warp * 16,
-                                                        c * KEY_CHUNK, lane);
+                product_abt_pair<T, D, RowPadded<D>, CHUNK_TILES>(st, sk, sq + stage * E, dpt, sv, sdo + stage * E,
+                                                                  warp * 16, c * KEY_CHUNK, lane);
             else
-                product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK, lane);
+                product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(st, sk, warp * 16, sq + stage * E, c * KEY_CHUNK,
+                                                                lane);
             per_column(s, s_lse + stage * BQ + col0,
                        [&](float x, float lse, int, int) { return exp2f(fmaf(x, a.scale_log2, -row_lse2(lse))); });
             if (partial && mask.generated()) {
@@ -834,7 +837,8 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             }
             if constexpr ((PARTS & 2) != 0) {
                 if constexpr (PARTS != 3)
-                    product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E, c * KEY_CHUNK, lane);
+                    product_abt<T, D, RowPadded<D>, 1, CHUNK_TILES>(dpt, sv, warp * 16, sdo + stage * E,
+                                                                    c * KEY_CHUNK, lane);
                 per_column(s, s_delta + stage * BQ + col0,
                            [&](float x, float delta_j, int nt, int r) { return x * (dp[nt][r] - delta_j); });
                 uint32_t ds[1][CHUNK_STEPS][4];
