@@ -219,7 +219,8 @@ fn one_pass_shared_bytes(elem: usize) -> usize {
 
 /// Whether the backward runs as one pass (`bwd_tc`: S and dP once per tile pair, dq summed with
 /// float atomics) rather than as the dq and dk / dv passes: f16 / bf16 at head tile 128, not
-/// deterministic, with the shared memory it needs (compute capability 9.0 and up); any mask
+/// deterministic, with the shared memory it needs (`one_pass_shared_bytes`, 226 KiB: what compute
+/// capability 9.0 lets a block have); any mask
 /// (documents in runs through their own instance). `CANDLE_FASTOPS_ATTENTION_ONE_PASS=0` turns
 /// it off, for comparisons (read once per process).
 fn one_pass_backward(dev: &CudaDevice, p: &Problem, path: Path) -> Result<bool> {
