@@ -1,8 +1,11 @@
 //! The CPU attention: FlashAttention-2's tiled algorithm over contiguous copies of q, k and v
-//! in the accumulator type, with rayon over (batch, head, query tile) for the forward and the
-//! query gradient, and over (batch, kv head, key tile) for the key and value gradients. Products
-//! of tiles go through the `gemm` crate; no `m x n` buffer exists, only a `ROWS x COLS` tile of
-//! scores per task. Empty tiles are skipped, full tiles are not masked element by element.
+//! in the accumulator type, with rayon over (batch, head, query tile) for the forward. The
+//! backward takes one pass where there are at least as many (batch, kv head) pairs as threads (a
+//! task per pair: S and dP formed once per tile pair, five products), else two: rayon over
+//! (batch, head, query tile) for the query gradient and over (batch, kv head, key tile) for the
+//! key and value gradients (seven products); both give the same bits. Products of tiles go
+//! through the `gemm` crate; no `m x n` buffer exists, only `ROWS x COLS` tiles of scores per
+//! task. Empty tiles are skipped, full tiles are not masked element by element.
 
 use super::mask::{document_tile_state, generated_tile_state, Kind, TileData};
 use super::Problem;
@@ -444,6 +447,42 @@ pub(super) fn backward<A: AttentionFloat>(
             o.iter().zip(g).fold(A::zero(), |acc, (&o, &g)| acc + o * g)
         })
         .collect();
+    if one_pass(p) {
+        // A task per (batch entry, kv head): its key tiles in order, each adding its share of
+        // the group's query gradient (so dq sums over key tiles in the order of the two passes
+        // below, and every value is theirs, bit for bit), with S and dP formed once.
+        let query_rows = group * m * d;
+        dq.par_chunks_mut(query_rows)
+            .zip(dk.par_chunks_mut(n * d))
+            .zip(dv_out.par_chunks_mut(n * dv))
+            .enumerate()
+            .for_each(|(kvh, ((dq, dk_head), dv_head))| {
+                dq.fill(A::zero());
+                let tiles = dk_head
+                    .chunks_mut(COLS * d)
+                    .zip(dv_head.chunks_mut(COLS * dv));
+                for (kt, (dk, dv)) in tiles.enumerate() {
+                    crate::cpu::vectorized(
+                        #[inline(always)]
+                        || {
+                            key_value_gradient_tile(
+                                p,
+                                mask,
+                                x,
+                                &delta,
+                                (kvh, kt),
+                                (dk, dv),
+                                Some(dq),
+                            )
+                        },
+                    )
+                }
+                for g in dq.iter_mut() {
+                    *g = *g * scale;
+                }
+            });
+        return;
+    }
     // The query gradient: a task per (batch entry, head, query tile).
     if m > 0 && d > 0 {
         dq.par_chunks_mut(m * d).enumerate().for_each(|(bh, dq)| {
@@ -482,7 +521,7 @@ pub(super) fn backward<A: AttentionFloat>(
                 .for_each(|(kt, (dk, dv))| {
                     crate::cpu::vectorized(
                         #[inline(always)]
-                        || key_value_gradient_tile(p, mask, x, &delta, (kvh, kt), (dk, dv)),
+                        || key_value_gradient_tile(p, mask, x, &delta, (kvh, kt), (dk, dv), None),
                     )
                 });
         });
@@ -519,12 +558,20 @@ fn query_gradient_tile<A: AttentionFloat>(
     }
 }
 
+/// Whether the backward takes one pass (`backward`): a task per (batch entry, kv head), enough
+/// of them to keep every thread busy, and no empty dimension.
+fn one_pass(p: &Problem) -> bool {
+    let tasks = p.batch * p.kv_heads;
+    p.m > 0 && p.n > 0 && p.d > 0 && p.dv > 0 && tasks >= rayon::current_num_threads()
+}
+
 /// The key and value gradients of key tile `kt` of (batch entry, kv head) `kvh` (`dk` `c x d`,
-/// `dv` `c x dv`), over the query heads of its group, written completely.
+/// `dv` `c x dv`), over the query heads of its group, written completely; with `dq` (the
+/// group's query gradients, `[group, m, d]`, before the scale), the tile's share of them added.
 #[inline(always)]
 fn key_value_gradient_tile<A: AttentionFloat>(
     p: &Problem, mask: &CpuMask<'_>, x: &Saved<'_, A>, delta: &[A], (kvh, kt): (usize, usize),
-    (dk, dvv): (&mut [A], &mut [A]),
+    (dk, dvv): (&mut [A], &mut [A]), mut dq: Option<&mut [A]>,
 ) {
     let Problem { m, n, d, dv, .. } = *p;
     let scale = A::from(p.scale).unwrap_or_else(A::one);
@@ -560,6 +607,17 @@ fn key_value_gradient_tile<A: AttentionFloat>(
             gemm_into((r, c, dv), &mut ds, (go, dv, 1), (values, 1, dv), false);
             score_gradients(&mut ds, s, c, &delta[row0..row0 + r]);
             gemm_into((c, d, r), dk, (&ds, 1, c), (q, d, 1), true);
+            // dQ += dS . K (scaled by the caller)
+            if let Some(dq) = dq.as_deref_mut() {
+                let at = ((h - hk * group) * m + i0) * d;
+                gemm_into(
+                    (r, d, c),
+                    &mut dq[at..at + r * d],
+                    (&ds, c, 1),
+                    (keys, d, 1),
+                    true,
+                );
+            }
         }
     }
     for g in dk.iter_mut() {
