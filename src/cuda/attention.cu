@@ -83,13 +83,11 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, bool va
 template <int LD> struct Padded {
     __host__ __device__ __forceinline__ static constexpr int at(int row, int col) { return row * LD + col; }
 };
-template <int W> struct Swizzled {
-    static_assert(W % 64 == 0, "whole 128-byte groups of 16-bit elements");
+struct Swizzled128 {
     __host__ __device__ __forceinline__ static constexpr int at(int row, int col) {
-        return row * W + (col ^ ((row & 7) << 3));
+        return row * 128 + (col ^ ((row & 7) << 3));
     }
 };
-using Swizzled128 = Swizzled<128>;
 // The layout of the kernels' padded tiles of head dim D.
 template <int D> using RowPadded = Padded<D + AC::ROW_PAD>;
 
