@@ -1110,6 +1110,7 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
             ("documents 1024 causal", 8192, 128),
             ("causal", 4096, 64),
             ("causal", 4096, 256),
+            ("dense causal", 4096, 128),
         ]
     } else {
         &[("causal", 1024, 64)]
@@ -1130,6 +1131,15 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 (0..n).map(|i| (i + 1).min(1024)).sum(),
                 Box::new(|i, j| j <= i && i - j < 1024),
             ),
+            "dense causal" => {
+                // The causal mask stored as bytes: the stored-mask kernels.
+                let keep: Vec<u8> = (0..n * n).map(|x| u8::from(x % n <= x / n)).collect();
+                (
+                    AttentionMask::dense(&Tensor::from_vec(keep, (n, n), &dev)?)?,
+                    n * (n + 1) / 2,
+                    Box::new(|i, j| j <= i),
+                )
+            }
             _ => {
                 let ids: Vec<u32> = (0..batch * n).map(|t| ((t % n) / 1024) as u32).collect();
                 let ids = Tensor::from_vec(ids, (batch, n), &dev)?;

@@ -315,35 +315,56 @@ template <typename T, int D> __host__ __device__ constexpr int tile_elements() {
 
 // The software pipeline of every tensor-core kernel: `load(item, stage)` issues a stage's
 // asynchronous copies, `work(item, stage)` consumes it; `next(item)` is the next item to do
-// (>= end when none). Copies of the next item overlap the work on this one when two stages exist.
-template <int STAGES, class Next, class Load, class Work>
+// (>= end when none). With two stages the copies of the next item overlap the work on this one,
+// issued either before this item's copies are waited for, with a second barrier after the work
+// (every warp has left the stage they fill), or, ONE_BARRIER, right after the one barrier an item:
+// every warp has then left the previous item's work, the last reader of the other stage
+// (ONE_BARRIER_PIPELINE picks the instances). One stage: the copies wait for the barrier after
+// the work. Returns with every copy landed, but warps may still be in their last work: a caller
+// that reuses the stages after it needs a barrier.
+template <int STAGES, bool ONE_BARRIER = false, class Next, class Load, class Work>
 __device__ __forceinline__ void pipeline(int64_t first, int64_t end, Next&& next, Load&& load, Work&& work) {
+    static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
+    static_assert(STAGES == 2 || !ONE_BARRIER, "one barrier an item takes two stages");
     int64_t item = first;
     if (item < end) load(item, 0);
     cp_async_commit();
     int stage = 0;
     while (item < end) {
         const int64_t following = next(item);
-        if constexpr (STAGES == 2) {
+        if constexpr (ONE_BARRIER) {
+            cp_async_wait<0>();
+            __syncthreads();
             if (following < end) load(following, stage ^ 1);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        work(item, stage);
-        __syncthreads();
-        if constexpr (STAGES == 1) {
-            if (following < end) load(following, 0);
-            cp_async_commit();
-        } else {
+            work(item, stage);
             stage ^= 1;
+        } else {
+            if constexpr (STAGES == 2) {
+                if (following < end) load(following, stage ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            work(item, stage);
+            __syncthreads();
+            if constexpr (STAGES == 1) {
+                if (following < end) load(following, 0);
+                cp_async_commit();
+            } else {
+                stage ^= 1;
+            }
         }
         item = following;
     }
     cp_async_wait<0>();
 }
+
+// Whether a kernel instance's pipeline of S stages takes one barrier an item: the generated
+// masks' two-stage pipelines (the runs and stored instances spill registers with it).
+template <int S, int MASKS> constexpr bool ONE_BARRIER_PIPELINE = S == 2 && MASKS == FORMULA;
 
 
 // The pipeline of work whose items come in two halves around one barrier: `produce(item, stage,
@@ -409,8 +430,8 @@ template <> struct KeepWord<true> {
 // The block of a query-tile kernel (forward, dq): its batch entry, head and MF mask tiles of 64
 // queries (the longest rows first, for causal masks), the walk over the key tiles the mask leaves
 // to any of them, and the state of each warp's own mask tile (a warp's 16 MF rows lie in one).
-// MASKS: the MaskFamily of the kernel instance.
-template <typename T, int D, int MASKS> struct QueryTile {
+// MASKS: the MaskFamily of the kernel instance; L: the layout of the shared Q, K and V tiles.
+template <typename T, int D, int MASKS, class L = RowPadded<D>> struct QueryTile {
     static constexpr int MF = query_tiles<D>(), WARP_ROWS = 16 * MF;
     const AttentionArgs& a;
     KernelMask<MASKS> mask;
@@ -471,7 +492,7 @@ template <typename T, int D, int MASKS> struct QueryTile {
                                                  int64_t kt, int c, bool partial, int64_t row0, int lane,
                                                  Value&& value, float hidden) const {
         constexpr int NT = CHUNK / 8;
-        product_abt<T, D, RowPadded<D>, MF, NT>(s, sq, r0, sk, c * CHUNK, lane);
+        product_abt<T, D, L, MF, NT>(s, sq, r0, sk, c * CHUNK, lane);
 #pragma unroll
         for (int f = 0; f < MF; ++f)
 #pragma unroll
@@ -515,8 +536,8 @@ template <typename T, int D, int MASKS> struct QueryTile {
 
     __device__ __forceinline__ void load_kv(int64_t kt, T* sk, T* sv) const {
         const int64_t j0 = kt * BK, keys = min(static_cast<int64_t>(BK), a.n - j0);
-        load_tile<T, D>(sk, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
-        load_tile<T, D>(sv, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
+        load_tile<T, D, 64, THREADS, L>(sk, k_head + j0 * a.k_strides[2], a.k_strides[2], keys, a.d);
+        load_tile<T, D, 64, THREADS, L>(sv, v_head + j0 * a.v_strides[2], a.v_strides[2], keys, a.dv);
     }
 
     // Streams the key tiles the block needs through S stages of shared K / V tiles (sk, sv: S
@@ -533,8 +554,32 @@ template <typename T, int D, int MASKS> struct QueryTile {
 #pragma unroll(D > 64 ? 1 : BK / CHUNK)
             for (int c = 0; c < BK / CHUNK; ++c) chunk(kt, c, state != TILE_FULL, sk + stage * E, sv + stage * E);
         };
-        pipeline<S>(next(-1), a.col_tiles, step, load, work);
+        pipeline<S, ONE_BARRIER_PIPELINE<S, MASKS>>(next(-1), a.col_tiles, step, load, work);
     }
+};
+
+// The forward's shared-tile layout: swizzled for the generated masks at D = 128 (fewer registers
+// spilled there), padded elsewhere (the runs instance spills when swizzled). The tiles keep the
+// padded size either way (the host's shared_bytes).
+template <int D, int MASKS>
+using ForwardLayout = std::conditional_t<D == 128 && MASKS == FORMULA, Swizzled128, RowPadded<D>>;
+
+// op over a warp fragment row's entries of one half (rows g or g + 8: elements 2 half, 2 half + 1
+// of each of the NT tiles) by a tree of depth log2(2 NT), not a chain of 2 NT (for an associative,
+// commutative op such as fmaxf).
+template <int NT, class Op> __device__ __forceinline__ float half_tree(const float (&x)[NT][4], int half, Op&& op) {
+    static_assert((NT & (NT - 1)) == 0, "NT a power of two");
+    float m[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) m[nt] = op(x[nt][2 * half], x[nt][2 * half + 1]);
+#pragma unroll
+    for (int width = NT / 2; width > 0; width /= 2)
+#pragma unroll
+        for (int i = 0; i < width; ++i) m[i] = op(m[i], m[i + width]);
+    return m[0];
+}
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
 };
 
 template <typename T, int D, int MASKS>
@@ -543,14 +588,15 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
                                            const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
     constexpr int S = stages<D>(Pass::Forward), E = tile_elements<T, D>();
     constexpr int MF = query_tiles<D>(), CHUNK = FORWARD_CHUNK, NT = CHUNK / 8;
+    using L = ForwardLayout<D, MASKS>;
     extern __shared__ uint4 shared_raw[];
     T* sq = reinterpret_cast<T*>(shared_raw);  // MF tiles
     T* sk = sq + MF * E;                        // S stages
     T* sv = sq + (MF + S) * E;                  // S stages
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const QueryTile<T, D, MASKS> tile(a, q, k, v, states, dense, ids);
+    const QueryTile<T, D, MASKS, L> tile(a, q, k, v, states, dense, ids);
     const int64_t bh = tile.bh, row0 = tile.i0 + warp * 16 * MF;
-    load_tile<T, D, 64 * MF>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
+    load_tile<T, D, 64 * MF, THREADS, L>(sq, tile.q_tile, a.q_strides[2], tile.rows, a.d);
 
     float o[MF][D / 8][4];
     zero_fragments(o);
@@ -577,11 +623,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             bool moved = false;
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
-                float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) tile_max[r >> 1] = fmaxf(tile_max[r >> 1], s[f][nt][r]);
+                const float tile_max[2] = {half_tree<NT>(s[f], 0, MaxOp{}), half_tree<NT>(s[f], 1, MaxOp{})};
                 float base[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
@@ -613,7 +655,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             uint32_t p[MF][CHUNK / 16][4];
 #pragma unroll
             for (int f = 0; f < MF; ++f) to_a_fragments<T, CHUNK / 16>(p[f], s[f]);
-            product_pb<T, D, RowPadded<D>, MF, CHUNK / 16>(o, p, v_tile, c * CHUNK, lane);
+            product_pb<T, D, L, MF, CHUNK / 16>(o, p, v_tile, c * CHUNK, lane);
     });
 
 #pragma unroll
@@ -845,7 +887,7 @@ __device__ __forceinline__ void dkdv_tc(const BackwardOperands<T>& ops, const At
             }
         }
     };
-    pipeline<S>(next(-1), end, next, load, work);
+    pipeline<S, ONE_BARRIER_PIPELINE<S, MASKS>>(next(-1), end, next, load, work);
     const int64_t row0 = j0 + warp * 16;
     if constexpr ((PARTS & 2) != 0)
         store_rows<T, D>(ops.dk + row_offset(a.dk_strides, b, hk, 0), a.dk_strides[2], acc_dk[0], row0, a.n, a.d,
