@@ -564,23 +564,19 @@ template <typename T, int D, int MASKS, class L = RowPadded<D>> struct QueryTile
 template <int D, int MASKS>
 using ForwardLayout = std::conditional_t<D == 128 && MASKS == FORMULA, Swizzled128, RowPadded<D>>;
 
-// op over a warp fragment row's entries of one half (rows g or g + 8: elements 2 half, 2 half + 1
-// of each of the NT tiles) by a tree of depth log2(2 NT), not a chain of 2 NT (for an associative,
-// commutative op such as fmaxf).
-template <int NT, class Op> __device__ __forceinline__ float half_tree(const float (&x)[NT][4], int half, Op&& op) {
+// The maximum of a warp fragment row's entries of one half (rows g or g + 8: elements 2 half,
+// 2 half + 1 of each of the NT tiles) by a tree of depth log2(2 NT), not a chain of 2 NT.
+template <int NT> __device__ __forceinline__ float half_max(const float (&x)[NT][4], int half) {
     static_assert((NT & (NT - 1)) == 0, "NT a power of two");
     float m[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) m[nt] = op(x[nt][2 * half], x[nt][2 * half + 1]);
+    for (int nt = 0; nt < NT; ++nt) m[nt] = fmaxf(x[nt][2 * half], x[nt][2 * half + 1]);
 #pragma unroll
     for (int width = NT / 2; width > 0; width /= 2)
 #pragma unroll
-        for (int i = 0; i < width; ++i) m[i] = op(m[i], m[i + width]);
+        for (int i = 0; i < width; ++i) m[i] = fmaxf(m[i], m[i + width]);
     return m[0];
 }
-struct MaxOp {
-    __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
-};
 
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -623,7 +619,7 @@ __device__ __forceinline__ void forward_tc(const T* __restrict__ q, const T* __r
             bool moved = false;
 #pragma unroll
             for (int f = 0; f < MF; ++f) {
-                const float tile_max[2] = {half_tree<NT>(s[f], 0, MaxOp{}), half_tree<NT>(s[f], 1, MaxOp{})};
+                const float tile_max[2] = {half_max<NT>(s[f], 0), half_max<NT>(s[f], 1)};
                 float base[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
