@@ -7,12 +7,17 @@
 //! ```
 //!
 //! Prints a table and appends the same rows as JSON lines to `target/bench/ops.jsonl` (or to
-//! `$FASTOPS_BENCH_OUT`). CUDA timings use events around each call after a warm-up; CPU timings
-//! a monotonic clock. Every figure is the median of the timed calls.
+//! `$FASTOPS_BENCH_OUT`). CUDA timings use events around each call after a warm-up of at least
+//! `STEADY_WARM_MS` of calls (the GPU's steady clock under its power cap;
+//! `FASTOPS_BENCH_WARM_MS=0` times right after the counted warm-up calls); CPU timings a
+//! monotonic clock. Every figure is the median of the timed calls.
 
 use candle_core::{DType, Device, Result, Tensor};
 use std::io::Write;
 use std::time::Instant;
+
+/// Milliseconds of calls before a CUDA case is timed (`FASTOPS_BENCH_WARM_MS` overrides it).
+const STEADY_WARM_MS: u64 = 500;
 
 struct Bench {
     device: Device,
@@ -87,10 +92,29 @@ impl Bench {
             None if self.device.is_cuda() => (10, 50),
             None => (2, 11),
         };
+        let warm_start = Instant::now();
         for _ in 0..warmup {
             f()?;
         }
         self.device.synchronize()?;
+        // The warm-up then goes on (a call at a time) until FASTOPS_BENCH_WARM_MS ms have passed
+        // since it began (STEADY_WARM_MS on CUDA unless the counts are forced, 0 on the CPU), so
+        // that the timed calls run in the board's steady state: an H200's power cap lowers its SM
+        // clock 5-9% within ~0.2 s of sustained load (BENCHMARKS.md, session 47).
+        // scripts/torch_anchors.py warms up the same way.
+        let steady = if self.device.is_cuda() && forced.is_none() {
+            STEADY_WARM_MS
+        } else {
+            0
+        };
+        let warm_ms = std::env::var("FASTOPS_BENCH_WARM_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(steady);
+        while warm_start.elapsed() < std::time::Duration::from_millis(warm_ms) {
+            f()?;
+            self.device.synchronize()?;
+        }
         let mut samples = Vec::with_capacity(iters);
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = &self.device {

@@ -10,16 +10,29 @@ One JSON line per case: {"op", "case", "dtype", "torch_us", "what"}. Filters sel
 op contains one of them, as the bench's do.
 """
 import json
+import os
 import statistics
 import sys
+import time
 
 import torch
 
 
+# Milliseconds of calls before a case is timed (STEADY_WARM_MS of benches/ops.rs).
+STEADY_WARM_MS = 500
+
+
 def median_us(fn, warmup=10, iters=50):
+    warm_start = time.perf_counter()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    # Calls go on until FASTOPS_BENCH_WARM_MS (default STEADY_WARM_MS) ms after the warm-up
+    # began: the board's steady state under its power cap, as benches/ops.rs times its own.
+    warm_ms = float(os.environ.get("FASTOPS_BENCH_WARM_MS", STEADY_WARM_MS))
+    while (time.perf_counter() - warm_start) * 1000.0 < warm_ms:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
