@@ -49,6 +49,21 @@ pub mod argmin_sm90 {
     pub const MAX_ROW_BYTES: usize = 512;
 }
 
+/// The Hopper span product of the masked_bmm backward (`src/cuda/sm90/span.cu`: grad_a = g . b^T
+/// in f32 as three TF32 passes on wgmma).
+pub mod span_sm90 {
+    /// Threads per block: two warpgroups of 64 output rows each, both copying and computing.
+    pub const THREADS: usize = 256;
+    /// Output columns a block computes (the wgmma N): the masked_bmm's k, at most this.
+    pub const COLS: usize = 64;
+    /// Buffers of stages (16 f32 of k each).
+    pub const STAGES: usize = 4;
+    /// Dynamic shared memory: `STAGES` raw stages of a 128-row and a 64-row operand tile (rows of
+    /// 64 bytes of k, padded to 80) and two buffers of both tiles split (big and small TF32
+    /// parts, 64 bytes a row each).
+    pub const SHARED_BYTES: usize = 110592;
+}
+
 /// The tile summary of a mask (empty / partial / full per tile).
 pub mod tile_summary {
     /// Threads per block (a block per tile).

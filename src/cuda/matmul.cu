@@ -939,20 +939,6 @@ __device__ __forceinline__ void masked_bmm(const T* __restrict__ a, const T* __r
 // tile along its row or column of tiles. The masked gradient is zero outside the mask, so tiles
 // outside the span add nothing; a causal mask halves the work.
 
-// Mirrors `SpanArgs` in src/matmul/backward/cuda.rs.
-struct SpanArgs {
-    int64_t spans_batch_stride;  // u32 pairs between batches of the spans (0: one set for all)
-    // masked: the gradient operand (A for grad_a, B for grad_b) is the unmasked output gradient
-    // g [rows, cols], and the kernel applies the mask as the stages land (async core only; the
-    // host masks g first for the other cores). The u8 mask's element strides (batch 0 when
-    // shared) and the plan's: tiles between batches (0 when shared), tiles along a row.
-    int64_t mask_batch_stride, mask_row_stride, mask_col_stride;
-    int64_t plan_batch_stride, plan_col_tiles;
-    int32_t by_cols;             // spans indexed by the output's column tile (else its row tile)
-    int32_t masked;
-};
-static_assert(sizeof(SpanArgs) == 56, "SpanArgs is mirrored by a Rust #[repr(C)] struct of 56 bytes");
-
 // The mask applied to one landed stage of the gradient operand: `stage` holds TILE (outer) x
 // stage_k (k) elements, k-major rows of KROW_BYTES or [k][outer] rows (K_MAJOR false). An empty
 // mask tile clears the stage; a partial one clears the elements whose mask byte is 0. `keep` is
@@ -1061,32 +1047,6 @@ template <typename T> struct StageMask {
         return true;
     }
 };
-
-// The output tile of span-product block `blk`, longest spans first. Blocks start in index order
-// and each runs as long as its span, so a grid laid out [batch][row tile][column tile] ends with a
-// few long blocks on an otherwise idle GPU: with a causal mask (spans growing one tile per tile)
-// a list-scheduling estimate leaves ~23% of the block slots idle over the grid at b = 64, 2048 x
-// 2048, two blocks an SM. Here the spanned dim's tiles are outermost (then batch, then the other
-// dim), walked from whichever end has the longer span in batch 0's spans: longest first for spans
-// that grow or shrink monotonically along the tiles (causal, either orientation; windows and
-// bands are even), and only an order, never a result, for any other mask.
-__device__ __forceinline__ TileIndex span_tile(uint64_t blk, const uint32_t* spans, const Problem& p,
-                                               const SpanArgs& sa, int64_t row_tiles, int64_t col_tiles) {
-    const int64_t spanned = sa.by_cols ? col_tiles : row_tiles, other = sa.by_cols ? row_tiles : col_tiles;
-    auto length = [&](int64_t t) {  // negative for an empty span
-        return min(int64_t(spans[2 * t + 1]) * TILE, p.k) - min(int64_t(spans[2 * t]) * TILE, p.k);
-    };
-    const bool from_end = length(spanned - 1) > length(0);
-    TileIndex tile;
-    const int64_t o = static_cast<int64_t>(blk % static_cast<uint64_t>(other));
-    const uint64_t rest = blk / static_cast<uint64_t>(other);
-    tile.batch = static_cast<int64_t>(rest % static_cast<uint64_t>(p.batch));
-    const int64_t rank = static_cast<int64_t>(rest / static_cast<uint64_t>(p.batch));
-    const int64_t s = from_end ? spanned - 1 - rank : rank;
-    tile.row_tile = sa.by_cols ? o : s;
-    tile.col_group = sa.by_cols ? s : o;
-    return tile;
-}
 
 template <typename T, int CORE>
 __device__ __forceinline__ void span_matmul(const T* __restrict__ a, const T* __restrict__ b,

@@ -37,6 +37,9 @@ pub(crate) enum Module {
     /// `src/cuda/sm90/argmin.cu`: the Hopper argmin_matmul, loadable on compute capability 9.0
     /// only ([`is_hopper`]).
     ArgminSm90,
+    /// `src/cuda/sm90/span.cu`: the Hopper grad_a product of the masked_bmm backward, loadable
+    /// on compute capability 9.0 only ([`is_hopper`]).
+    SpanSm90,
 }
 
 impl Module {
@@ -52,6 +55,7 @@ impl Module {
             Module::Attention => "candle_fastops_attention",
             Module::AttentionSm90 => "candle_fastops_attention_sm90",
             Module::ArgminSm90 => "candle_fastops_argmin_sm90",
+            Module::SpanSm90 => "candle_fastops_span_sm90",
         }
     }
 
@@ -67,6 +71,7 @@ impl Module {
             Module::Attention => entries::ATTENTION,
             Module::AttentionSm90 => entries::SM90_ATTENTION,
             Module::ArgminSm90 => entries::SM90_ARGMIN,
+            Module::SpanSm90 => entries::SM90_SPAN,
         }
     }
 
@@ -82,6 +87,7 @@ impl Module {
             Module::Attention => ptx::ATTENTION,
             Module::AttentionSm90 => ptx::SM90_ATTENTION,
             Module::ArgminSm90 => ptx::SM90_ARGMIN,
+            Module::SpanSm90 => ptx::SM90_SPAN,
         }
     }
 }
@@ -255,7 +261,7 @@ pub(crate) fn max_shared_per_block(dev: &CudaDevice) -> Result<usize> {
 }
 
 /// Whether the device is compute capability 9.0 (H100, H200), the one GPU the `compute_90a` PTX
-/// of [`Module::AttentionSm90`] and [`Module::ArgminSm90`] loads on.
+/// of [`Module::AttentionSm90`], [`Module::ArgminSm90`] and [`Module::SpanSm90`] loads on.
 pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     use driver::sys::CUdevice_attribute::{
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,

@@ -271,20 +271,17 @@ fn masked_bmm_past_2_31() -> Result<()> {
     drop(out);
     // The backward of sum(out): the output gradient masked by tiles (an element past 2^31 in
     // each of the last batch entries), then grad_a[i] = sum_{j <= i} bt[j] and
-    // grad_bt[j] = sum_{i >= j} a[i].
-    let (av, btv) = (Var::from_tensor(&a)?, Var::from_tensor(&bt)?);
-    let out = candle_fastops::masked_bmm(
-        av.as_tensor(),
-        &btv.as_tensor().transpose(1, 2)?,
-        &causal,
-        -1e9,
-    )?;
+    // grad_bt[j] = sum_{i >= j} a[i]. Here b is row-major [batch, k, m] (what the Hopper grad_a
+    // kernel takes on an H200; CANDLE_FASTOPS_MATMUL_KERNELS=portable runs the portable one).
+    let (av, bv) = (
+        Var::from_tensor(&a)?,
+        Var::from_tensor(&bt.transpose(1, 2)?.contiguous()?)?,
+    );
+    let out = candle_fastops::masked_bmm(av.as_tensor(), bv.as_tensor(), &causal, -1e9)?;
     let grads = out.sum_all()?.backward()?;
     drop(out);
-    let (grad_a, grad_bt) = (
-        grads.get(av.as_tensor()).expect("grad a"),
-        grads.get(btv.as_tensor()).expect("grad bt"),
-    );
+    let grad_a = grads.get(av.as_tensor()).expect("grad a");
+    let grad_bt = grads.get(bv.as_tensor()).expect("grad b").transpose(1, 2)?;
     for bi in [0, batch - 1] {
         let (amat, bmat) = (
             to_f64(&a.get(bi)?.to_dtype(DType::F64)?)?,

@@ -1,12 +1,15 @@
-use crate::cuda::{alloc_output, kernel_args};
+use crate::cuda::{alloc_output, is_hopper, kernel_args, Kernel, Module};
 use crate::dispatch::mirrored_struct;
+use crate::kernel_constants::span_sm90 as SPAN_SM90;
 use crate::matmul::core::cuda::{core_launch, uses_async_core, ProblemArgs};
 use crate::matmul::core::{MatView, TILE};
 use crate::matmul::masked_bmm::cuda::{mask_grad, MaskGradArgs};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::{bail, CudaDevice, CudaStorage, Result, WithDType};
 
-/// `SpanArgs` in `src/cuda/matmul.cu`.
+/// `SpanArgs` in `src/cuda/matmul_common.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct SpanArgs {
@@ -19,7 +22,7 @@ struct SpanArgs {
     by_cols: i32,
     masked: i32,
 }
-// Mirrored by `SpanArgs` in src/cuda/matmul.cu.
+// Mirrored by `SpanArgs` in src/cuda/matmul_common.cuh.
 mirrored_struct!(SpanArgs, 56, kernel_arg);
 
 /// The mask of the gradient operand (`a` for grad_a, `b` for grad_b when `by_cols`), applied on
@@ -114,6 +117,33 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
     if blocks > 0 {
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
+        if use_hopper::<T>(dev, &problem, by_cols, mode)? {
+            let kernel = Kernel::load(dev, Module::SpanSm90, &["span_grad_a_sm90_tf32x3_f32"])?;
+            kernel.allow_dynamic_shared(SPAN_SM90::SHARED_BYTES)?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (SPAN_SM90::THREADS as u32, 1, 1),
+                shared_mem_bytes: SPAN_SM90::SHARED_BYTES as u32,
+            };
+            // SAFETY: arguments match `span_grad_a_sm90_tf32x3_f32(g, b, spans, mask, plan, out,
+            // Problem, SpanArgs)`, those of `span_matmul_*` (`use_hopper` checked that T is f32,
+            // the output at most COLS wide so that a block per row tile covers it, and both
+            // operands' rows k-contiguous and 16-byte aligned inside their buffers); the mask
+            // and plan are read as there.
+            unsafe {
+                match mask {
+                    Some(gm) if args.masked == 1 => kernel.launch(
+                        cfg,
+                        kernel_args!(&a, &b, spans, &gm.mask, &gm.states, &out, &problem, &args),
+                    )?,
+                    _ => kernel.launch(
+                        cfg,
+                        kernel_args!(&a, &b, spans, spans, spans, &out, &problem, &args),
+                    )?,
+                };
+            }
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
         let (kernel, cfg) = core_launch::<T>(
             dev,
             "masked_bmm backward",
@@ -141,4 +171,33 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+// The Hopper kernel's shared memory: STAGES raw stages of a TILE-row and a COLS-row tile (rows
+// of 80 bytes) and two split buffers of both (big and small, 64 bytes a row each), as the
+// kernel's layout checks too.
+const _: () = assert!(
+    SPAN_SM90::SHARED_BYTES
+        == SPAN_SM90::STAGES * (TILE + SPAN_SM90::COLS) * 80 + 4 * (TILE + SPAN_SM90::COLS) * 64
+);
+
+/// Whether the Hopper kernel (`src/cuda/sm90/span.cu`) computes this span product: grad_a (spans
+/// by row tile) in f32 in the compensated mode, an output of at most `span_sm90::COLS` columns
+/// (masked_bmm's k), both operands k-contiguous with 16-byte aligned rows (the output gradient
+/// and `b` as masked_bmm's forward took them, row-major), on compute capability 9.0, unless
+/// `CANDLE_FASTOPS_MATMUL_KERNELS=portable` (read once per process; the test suite runs both).
+fn use_hopper<T: WithDType>(
+    dev: &CudaDevice, problem: &ProblemArgs, by_cols: bool, mode: crate::F32Matmul,
+) -> Result<bool> {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let chosen = *CHOSEN.get_or_init(|| {
+        std::env::var("CANDLE_FASTOPS_MATMUL_KERNELS").as_deref() != Ok("portable")
+    });
+    Ok(chosen
+        && T::DTYPE == candle_core::DType::F32
+        && mode == crate::F32Matmul::Compensated
+        && !by_cols
+        && problem.n() <= SPAN_SM90::COLS
+        && problem.both_rows_aligned_f32()
+        && is_hopper(dev)?)
 }

@@ -155,6 +155,17 @@ impl ProblemArgs {
         self.a.mode == K_CONTIGUOUS && self.a.vectorised >= needed
     }
 
+    /// Whether both operands are k-contiguous with rows on 16-byte boundaries of f32 elements,
+    /// inside their buffers: what the Hopper span product's copies need.
+    pub(crate) fn both_rows_aligned_f32(&self) -> bool {
+        self.a_rows_aligned(4) && self.b.mode == K_CONTIGUOUS && self.b.vectorised >= 1
+    }
+
+    /// The product's n (columns of the output).
+    pub(crate) fn n(&self) -> usize {
+        self.n as usize
+    }
+
     /// The batch entries of `b` in memory: 1 when every batch entry shares it (batch stride 0).
     pub(crate) fn b_entries(&self) -> usize {
         if self.b.batch_stride == 0 {

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub enum F32Matmul {
     /// f32-accurate tensor-core products (the default): each operand is split into its TF32
     /// part and the remainder, and three TF32 products (small.big + big.small + big.big) are
-    /// summed from zero for every 8 of k and added to the f32 total with round-to-nearest adds.
+    /// summed from zero for every 8 of k and added to the f32 total with round-to-nearest adds
+    /// (on compute capability 9.0 the masked_bmm backward's `grad_a` sums them per 16 of k, the
+    /// small terms first: as many truncations, one of them on a sum up to twice as large).
     /// The dropped small.small term and the remainder's own truncation leave at most about
     /// 2^-21 relative error per product, the order of the f32 rounding of the accumulation
     /// itself: measured against f64 on the H200 its worst error was 0.6-0.8x the f32 FMA
