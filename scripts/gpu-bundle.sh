@@ -110,6 +110,14 @@ for kernels in sm90 portable; do
         >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: attention tests ($kernels)"; }
     grep -E '^test result' "$out/tests.log" | tail -n 1
 done
+# The matmul tests through the portable kernels too (on compute capability 9.0 the masked_bmm
+# backward's grad_a takes src/cuda/sm90/span.cu by default).
+if [ -e "$work/test-ops" ] && [ "${KERNEL_PASSES:-1}" != 0 ]; then
+    echo "=== test-ops matmul (CANDLE_FASTOPS_MATMUL_KERNELS=portable)" | tee -a "$out/tests.log"
+    (cd "$here/../.." && CANDLE_FASTOPS_MATMUL_KERNELS=portable "$work/test-ops" matmul --test-threads=1) \
+        >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: matmul tests (portable)"; }
+    grep -E '^test result' "$out/tests.log" | tail -n 1
+fi
 # The > 2^31-element tests (ignored by default: ~60 GB of GPU memory); SCALE=0 skips them.
 if [ -e "$work/test-ops" ] && [ "${SCALE:-1}" != 0 ]; then
     echo "=== test-ops --ignored scale::" | tee -a "$out/tests.log"
@@ -234,7 +242,7 @@ san=$(command -v compute-sanitizer || find /usr/local /opt -name compute-sanitiz
 # tracks which bytes kernels have written, so an uninstrumented candle kernel's output (a
 # `.contiguous()` copy, say) would read as uninitialized to ours.
 filter=()
-for k in bias_add softmax sparse_linear lopt_ masked_bmm mask_grad argmin_matmul argmin_split span_matmul tile_summary attention_ adamw_; do
+for k in bias_add softmax sparse_linear lopt_ masked_bmm mask_grad argmin_matmul argmin_split span_matmul span_grad tile_summary attention_ adamw_; do
     filter+=(--kernel-name "kns=$k")
 done
 export FASTOPS_TEST_LIGHT=1
