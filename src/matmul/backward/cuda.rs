@@ -117,7 +117,9 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
     if blocks > 0 {
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
-        if use_hopper::<T>(dev, &problem, by_cols, mode)? {
+        // The Hopper grad_a kernel where it takes the problem, else the core's span kernel: the
+        // same arguments.
+        let (kernel, cfg) = if use_hopper::<T>(dev, &problem, by_cols, mode)? {
             let kernel = Kernel::load(dev, Module::SpanSm90, &["span_grad_a_sm90_tf32x3_f32"])?;
             kernel.allow_dynamic_shared(SPAN_SM90::SHARED_BYTES)?;
             let cfg = LaunchConfig {
@@ -125,38 +127,25 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
                 block_dim: (SPAN_SM90::THREADS as u32, 1, 1),
                 shared_mem_bytes: SPAN_SM90::SHARED_BYTES as u32,
             };
-            // SAFETY: arguments match `span_grad_a_sm90_tf32x3_f32(g, b, spans, mask, plan, out,
-            // Problem, SpanArgs)`, those of `span_matmul_*` (`use_hopper` checked that T is f32,
-            // the output at most COLS wide so that a block per row tile covers it, and both
-            // operands' rows k-contiguous and 16-byte aligned inside their buffers); the mask
-            // and plan are read as there.
-            unsafe {
-                match mask {
-                    Some(gm) if args.masked == 1 => kernel.launch(
-                        cfg,
-                        kernel_args!(&a, &b, spans, &gm.mask, &gm.states, &out, &problem, &args),
-                    )?,
-                    _ => kernel.launch(
-                        cfg,
-                        kernel_args!(&a, &b, spans, spans, spans, &out, &problem, &args),
-                    )?,
-                };
-            }
-            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-        }
-        let (kernel, cfg) = core_launch::<T>(
-            dev,
-            "masked_bmm backward",
-            "span_matmul",
-            &problem,
-            mode,
-            blocks,
-        )?;
+            (kernel, cfg)
+        } else {
+            core_launch::<T>(
+                dev,
+                "masked_bmm backward",
+                "span_matmul",
+                &problem,
+                mode,
+                blocks,
+            )?
+        };
         // SAFETY: arguments match `span_matmul_*(a, b, spans, mask, plan, out, Problem,
-        // SpanArgs)`; the spans hold a pair per output tile along the spanned dim (checked by
-        // the caller) and the kernel clamps each span to the reduction length. A masked launch
-        // reads the mask at (row, col) of g through its layout's strides and the plan at g's
-        // tiles; an unmasked one reads neither (the spans' address stands in for both).
+        // SpanArgs)` and `span_grad_a_sm90_tf32x3_f32` (the same list; `use_hopper` checked that
+        // T is f32, the output at most COLS wide so that a block per row tile covers it, and both
+        // operands' rows k-contiguous and 16-byte aligned inside their buffers); the spans hold a
+        // pair per output tile along the spanned dim (checked by the caller) and the kernels
+        // clamp each span to the reduction length. A masked launch reads the mask at (row, col)
+        // of g through its layout's strides and the plan at g's tiles; an unmasked one reads
+        // neither (the spans' address stands in for both).
         unsafe {
             match mask {
                 Some(gm) if args.masked == 1 => kernel.launch(
