@@ -17,8 +17,7 @@
 // c 128 + (r % 8) 16 bytes, GROUP = 512), K-major for both operands. Then a proxy fence (the
 // split's generic stores, before wgmma reads them) and one block barrier a stage, which also
 // frees the raw buffer of the stage before it for the next copies and the split buffer of the
-// stage before that.
-// copies. Each warpgroup then issues the stage's products (wgmma m64n64k8, 8 of k each) into a
+// stage before that. Each warpgroup then issues the stage's products (wgmma m64n64k8, 8 of k each) into a
 // sum of its own, from zero: the small.big and big.small terms (about 2^-11 of it) first, then
 // the two big.big products; while they run, the thread copies and splits the next stage, then
 // adds the sum into the total with round-to-nearest adds (the mma's sums truncate, and on a
