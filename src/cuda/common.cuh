@@ -128,17 +128,6 @@ __device__ __forceinline__ void cp_async16_prefetch(uint32_t dst, const void* sr
         cp_async16(dst, src, src_bytes);
     }
 }
-// cp_async16_prefetch of 16 valid bytes (no size operand, so no zero-fill arithmetic).
-template <int PREFETCH> __device__ __forceinline__ void cp_async16_whole_prefetch(uint32_t dst, const void* src) {
-    static_assert(PREFETCH == 0 || PREFETCH == 128 || PREFETCH == 256, "an L2 prefetch size of PTX");
-    if constexpr (PREFETCH == 128) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    } else if constexpr (PREFETCH == 256) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    } else {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    }
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
