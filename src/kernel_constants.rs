@@ -52,16 +52,21 @@ pub mod argmin_sm90 {
 /// The Hopper span product of the masked_bmm backward (`src/cuda/sm90/span.cu`: grad_a = g . b^T
 /// in f32 as three TF32 passes on wgmma).
 pub mod span_sm90 {
-    /// Threads per block: two warpgroups of 64 output rows each, both copying and computing.
+    /// Threads per block: two warpgroups of 64 x 64 output each, both copying and computing.
     pub const THREADS: usize = 256;
-    /// Output columns a block computes (the wgmma N): the masked_bmm's k, at most this.
+    /// masked_bmm's k, at most this: the output's columns (grad_a) or rows (grad_b), the wgmma N
+    /// or M.
     pub const COLS: usize = 64;
-    /// Buffers of stages (16 f32 of k each).
+    /// Raw buffers of stages (16 f32 of the reduction each).
     pub const STAGES: usize = 4;
-    /// Dynamic shared memory: `STAGES` raw stages of a 128-row and a 64-row operand tile (rows of
-    /// 64 bytes of k, padded to 80) and two buffers of both tiles split (big and small TF32
-    /// parts, 64 bytes a row each).
-    pub const SHARED_BYTES: usize = 110592;
+    /// Dynamic shared memory of the grad_a kernel: `STAGES` raw stages of a 128-row and a
+    /// `COLS`-row operand tile (rows of 64 bytes of k, padded to 80) and two buffers of the
+    /// second tile split (big and small TF32 parts, 4096 bytes each).
+    pub const SHARED_BYTES: usize = 77824;
+    /// Dynamic shared memory of the grad_b kernel: `STAGES` raw stages of 16 rows of `a` (`COLS`
+    /// f32, rows padded to 288 bytes) and of the output gradient (128 f32), and two buffers of
+    /// the gradient's stage split (big and small TF32 parts, 8192 bytes each).
+    pub const GRAD_B_SHARED_BYTES: usize = 83968;
 }
 
 /// The tile summary of a mask (empty / partial / full per tile).

@@ -271,8 +271,9 @@ fn masked_bmm_past_2_31() -> Result<()> {
     drop(out);
     // The backward of sum(out): the output gradient masked by tiles (an element past 2^31 in
     // each of the last batch entries), then grad_a[i] = sum_{j <= i} bt[j] and
-    // grad_bt[j] = sum_{i >= j} a[i]. Here b is row-major [batch, k, m] (what the Hopper grad_a
-    // kernel takes on an H200; CANDLE_FASTOPS_MATMUL_KERNELS=portable runs the portable one).
+    // grad_bt[j] = sum_{i >= j} a[i]. Here a and b are row-major ([batch, m, k], [batch, k, m]:
+    // what the Hopper grad_a and grad_b kernels take on an H200;
+    // CANDLE_FASTOPS_MATMUL_KERNELS=portable runs the portable ones).
     let (av, bv) = (
         Var::from_tensor(&a)?,
         Var::from_tensor(&bt.transpose(1, 2)?.contiguous()?)?,

@@ -117,15 +117,15 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     let blocks = batch * m.div_ceil(TILE) * n.div_ceil(TILE);
     if blocks > 0 {
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
-        // The Hopper grad_a kernel where it takes the problem, else the core's span kernel: the
-        // same arguments.
-        let (kernel, cfg) = if use_hopper::<T>(dev, &problem, by_cols, mode)? {
-            let kernel = Kernel::load(dev, Module::SpanSm90, &["span_grad_a_sm90_tf32x3_f32"])?;
-            kernel.allow_dynamic_shared(SPAN_SM90::SHARED_BYTES)?;
+        // A Hopper kernel where one takes the problem, else the core's span kernel: the same
+        // arguments.
+        let (kernel, cfg) = if let Some((name, shared)) = hopper_kernel::<T>(dev, &problem, by_cols, mode)? {
+            let kernel = Kernel::load(dev, Module::SpanSm90, &[name])?;
+            kernel.allow_dynamic_shared(shared)?;
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (SPAN_SM90::THREADS as u32, 1, 1),
-                shared_mem_bytes: SPAN_SM90::SHARED_BYTES as u32,
+                shared_mem_bytes: shared as u32,
             };
             (kernel, cfg)
         } else {
@@ -139,13 +139,13 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
             )?
         };
         // SAFETY: arguments match `span_matmul_*(a, b, spans, mask, plan, out, Problem,
-        // SpanArgs)` and `span_grad_a_sm90_tf32x3_f32` (the same list; `use_hopper` checked that
-        // T is f32, the output at most COLS wide so that a block per row tile covers it, and both
-        // operands' rows k-contiguous and 16-byte aligned inside their buffers); the spans hold a
-        // pair per output tile along the spanned dim (checked by the caller) and the kernels
-        // clamp each span to the reduction length. A masked launch reads the mask at (row, col)
-        // of g through its layout's strides and the plan at g's tiles; an unmasked one reads
-        // neither (the spans' address stands in for both).
+        // SpanArgs)` and the Hopper kernels' (the same list; `hopper_kernel` checked that T is
+        // f32, the output at most COLS wide (grad_a) or high (grad_b) so that a block per tile of
+        // the other dim covers it, and the operands' layouts their 16-byte copies need); the spans
+        // hold a pair per output tile along the spanned dim (checked by the caller) and the
+        // kernels clamp each span to the reduction length. A masked launch reads the mask at
+        // (row, col) of g through its layout's strides and the plan at g's tiles; an unmasked one
+        // reads neither (the spans' address stands in for both).
         unsafe {
             match mask {
                 Some(gm) if args.masked == 1 => kernel.launch(
@@ -162,31 +162,46 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-// The Hopper kernel's shared memory: STAGES raw stages of a TILE-row and a COLS-row tile (rows
-// of 80 bytes) and two split buffers of both (big and small, 64 bytes a row each), as the
-// kernel's layout checks too.
+// The Hopper kernels' shared memory, as their layout checks too. grad_a: STAGES raw stages of a
+// TILE-row and a COLS-row tile (rows of 80 bytes) and two split buffers of the second (big and
+// small, 64 bytes a row each). grad_b: STAGES raw stages of 16 rows of a (COLS f32 padded to 288
+// bytes) and of g (TILE f32), and two split buffers of g's (TILE rows of 64 bytes, big and small).
 const _: () = assert!(
     SPAN_SM90::SHARED_BYTES
-        == SPAN_SM90::STAGES * (TILE + SPAN_SM90::COLS) * 80 + 4 * (TILE + SPAN_SM90::COLS) * 64
+        == SPAN_SM90::STAGES * (TILE + SPAN_SM90::COLS) * 80 + 4 * SPAN_SM90::COLS * 64
+);
+const _: () = assert!(
+    SPAN_SM90::GRAD_B_SHARED_BYTES
+        == SPAN_SM90::STAGES * 16 * (SPAN_SM90::COLS * 4 + 32 + TILE * 4) + 4 * TILE * 64
 );
 
-/// Whether the Hopper kernel (`src/cuda/sm90/span.cu`) computes this span product: grad_a (spans
-/// by row tile) in f32 in the compensated mode, an output of at most `span_sm90::COLS` columns
-/// (masked_bmm's k), both operands k-contiguous with 16-byte aligned rows (the output gradient
-/// and `b` as masked_bmm's forward took them, row-major), on compute capability 9.0, unless
+/// The Hopper kernel (`src/cuda/sm90/span.cu`) that computes this span product, with its dynamic
+/// shared memory, if one does: f32 in the compensated mode on compute capability 9.0, unless
 /// `CANDLE_FASTOPS_MATMUL_KERNELS=portable` (read once per process; the test suite runs both).
-fn use_hopper<T: WithDType>(
+/// grad_a (spans by row tile): an output of at most `span_sm90::COLS` columns (masked_bmm's k),
+/// both operands k-contiguous with 16-byte aligned rows (the output gradient and `b` row-major,
+/// as masked_bmm's forward takes them). grad_b (spans by column tile): an output of at most
+/// `COLS` rows, both operands outer-contiguous with 16-byte aligned rows (`a` and the output
+/// gradient row-major).
+fn hopper_kernel<T: WithDType>(
     dev: &CudaDevice, problem: &ProblemArgs, by_cols: bool, mode: crate::F32Matmul,
-) -> Result<bool> {
+) -> Result<Option<(&'static str, usize)>> {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let chosen = *CHOSEN.get_or_init(|| {
         std::env::var("CANDLE_FASTOPS_MATMUL_KERNELS").as_deref() != Ok("portable")
     });
-    Ok(chosen
-        && T::DTYPE == candle_core::DType::F32
-        && mode == crate::F32Matmul::Compensated
-        && !by_cols
-        && problem.n() <= SPAN_SM90::COLS
-        && problem.both_rows_aligned_f32()
-        && is_hopper(dev)?)
+    if !chosen || T::DTYPE != candle_core::DType::F32 || mode != crate::F32Matmul::Compensated {
+        return Ok(None);
+    }
+    let kernel = if by_cols {
+        (problem.m() <= SPAN_SM90::COLS && problem.both_outer_aligned_f32())
+            .then_some(("span_grad_b_sm90_tf32x3_f32", SPAN_SM90::GRAD_B_SHARED_BYTES))
+    } else {
+        (problem.n() <= SPAN_SM90::COLS && problem.both_rows_aligned_f32())
+            .then_some(("span_grad_a_sm90_tf32x3_f32", SPAN_SM90::SHARED_BYTES))
+    };
+    Ok(match kernel {
+        Some(k) if is_hopper(dev)? => Some(k),
+        _ => None,
+    })
 }

@@ -161,6 +161,20 @@ impl ProblemArgs {
         self.a_rows_aligned(4) && self.b.mode == K_CONTIGUOUS && self.b.vectorised >= 1
     }
 
+    /// Whether both operands are outer-contiguous (m for `a`, n for `b`) with runs of four f32
+    /// on 16-byte boundaries along it, inside their buffers: what the Hopper grad_b span
+    /// product's copies need.
+    pub(crate) fn both_outer_aligned_f32(&self) -> bool {
+        [&self.a, &self.b]
+            .iter()
+            .all(|o| o.mode == OUTER_CONTIGUOUS && o.vectorised >= 1)
+    }
+
+    /// The product's m (rows of the output).
+    pub(crate) fn m(&self) -> usize {
+        self.m as usize
+    }
+
     /// The product's n (columns of the output).
     pub(crate) fn n(&self) -> usize {
         self.n as usize
