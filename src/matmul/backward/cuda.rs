@@ -119,25 +119,26 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
         let (a, b) = (a.slice(av.start..), b.slice(bv.start..));
         // A Hopper kernel where one takes the problem, else the core's span kernel: the same
         // arguments.
-        let (kernel, cfg) = if let Some((name, shared)) = hopper_kernel::<T>(dev, &problem, by_cols, mode)? {
-            let kernel = Kernel::load(dev, Module::SpanSm90, &[name])?;
-            kernel.allow_dynamic_shared(shared)?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (SPAN_SM90::THREADS as u32, 1, 1),
-                shared_mem_bytes: shared as u32,
+        let (kernel, cfg) =
+            if let Some((name, shared)) = hopper_kernel::<T>(dev, &problem, by_cols, mode)? {
+                let kernel = Kernel::load(dev, Module::SpanSm90, &[name])?;
+                kernel.allow_dynamic_shared(shared)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (SPAN_SM90::THREADS as u32, 1, 1),
+                    shared_mem_bytes: shared as u32,
+                };
+                (kernel, cfg)
+            } else {
+                core_launch::<T>(
+                    dev,
+                    "masked_bmm backward",
+                    "span_matmul",
+                    &problem,
+                    mode,
+                    blocks,
+                )?
             };
-            (kernel, cfg)
-        } else {
-            core_launch::<T>(
-                dev,
-                "masked_bmm backward",
-                "span_matmul",
-                &problem,
-                mode,
-                blocks,
-            )?
-        };
         // SAFETY: arguments match `span_matmul_*(a, b, spans, mask, plan, out, Problem,
         // SpanArgs)` and the Hopper kernels' (the same list; `hopper_kernel` checked that T is
         // f32, the output at most COLS wide (grad_a) or high (grad_b) so that a block per tile of
@@ -194,8 +195,10 @@ fn hopper_kernel<T: WithDType>(
         return Ok(None);
     }
     let kernel = if by_cols {
-        (problem.m() <= SPAN_SM90::COLS && problem.both_outer_aligned_f32())
-            .then_some(("span_grad_b_sm90_tf32x3_f32", SPAN_SM90::GRAD_B_SHARED_BYTES))
+        (problem.m() <= SPAN_SM90::COLS && problem.both_outer_aligned_f32()).then_some((
+            "span_grad_b_sm90_tf32x3_f32",
+            SPAN_SM90::GRAD_B_SHARED_BYTES,
+        ))
     } else {
         (problem.n() <= SPAN_SM90::COLS && problem.both_rows_aligned_f32())
             .then_some(("span_grad_a_sm90_tf32x3_f32", SPAN_SM90::SHARED_BYTES))
