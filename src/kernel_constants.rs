@@ -49,8 +49,8 @@ pub mod argmin_sm90 {
     pub const MAX_ROW_BYTES: usize = 512;
 }
 
-/// The Hopper span product of the masked_bmm backward (`src/cuda/sm90/span.cu`: grad_a = g . b^T
-/// in f32 as three TF32 passes on wgmma).
+/// The Hopper span products of the masked_bmm backward (`src/cuda/sm90/span.cu`: grad_a = g . b^T
+/// and grad_b = a^T . g in f32 as three TF32 passes on wgmma).
 pub mod span_sm90 {
     /// Threads per block: two warpgroups of 64 x 64 output each, both copying and computing.
     pub const THREADS: usize = 256;
