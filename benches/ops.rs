@@ -62,7 +62,8 @@ impl Bench {
 
     /// Whether a case of a section that honours `FASTOPS_BENCH_CASES` runs: that variable (when
     /// set) is a comma-separated list of substrings, one of which the case's name must contain,
-    /// or, written `^prefix`, begin with (for A/B jobs; masked_attention honours it).
+    /// or, written `^prefix`, begin with (for A/B jobs; masked_attention honours it, and
+    /// masked_bmm with its case and dtype, as `causal b=64 m=n=2048 k=64 f32`).
     fn wants_case(&self, case: &str) -> bool {
         match std::env::var("FASTOPS_BENCH_CASES") {
             Ok(list) => list
@@ -908,12 +909,15 @@ fn bench_masked_bmm(b: &mut Bench) -> Result<()> {
         let mask = Tensor::tril2(size, DType::U8, &dev)?;
         let plan = candle_fastops::MaskPlan::new(&mask)?;
         for dtype in dtypes {
+            let case = format!("causal b={batch} m=n={size} k={k}");
+            if !b.wants_case(&format!("{case} {}", dtype.as_str())) {
+                continue;
+            }
             let q = randn(&[batch, size, k], dtype, &dev)?;
             let kt = randn(&[batch, k, size], dtype, &dev)?;
             let fill = Tensor::full(f32::NEG_INFINITY, (), &dev)?.to_dtype(dtype)?;
             // Dense-equivalent FLOPs: the rate column shows what the skip buys.
             let flops = 2.0 * (batch * size * size * k) as f64;
-            let case = format!("causal b={batch} m=n={size} k={k}");
             b.compare(
                 OP,
                 &format!("{case} plan"),

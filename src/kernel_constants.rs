@@ -60,13 +60,15 @@ pub mod span_sm90 {
     /// Raw buffers of stages (16 f32 of the reduction each).
     pub const STAGES: usize = 4;
     /// Dynamic shared memory of the grad_a kernel: `STAGES` raw stages of a 128-row and a
-    /// `COLS`-row operand tile (rows of 64 bytes of k, padded to 80) and two buffers of the
-    /// second tile split (big and small TF32 parts, 4096 bytes each).
-    pub const SHARED_BYTES: usize = 77824;
+    /// `COLS`-row operand tile (rows of 64 bytes of k, padded to 80) and of the mask's 128 rows
+    /// (16 bytes each), and two buffers of the second tile split (big and small TF32 parts, 4096
+    /// bytes each).
+    pub const SHARED_BYTES: usize = 86016;
     /// Dynamic shared memory of the grad_b kernel: `STAGES` raw stages of 16 rows of `a` (`COLS`
-    /// f32, rows padded to 288 bytes) and of the output gradient (128 f32), and two buffers of
-    /// the gradient's stage split (big and small TF32 parts, 8192 bytes each).
-    pub const GRAD_B_SHARED_BYTES: usize = 83968;
+    /// f32, rows padded to 288 bytes), of the output gradient (128 f32) and of the mask (128
+    /// bytes), and two buffers of the gradient's stage split (big and small TF32 parts, 8192
+    /// bytes each).
+    pub const GRAD_B_SHARED_BYTES: usize = 92160;
 }
 
 /// The tile summary of a mask (empty / partial / full per tile).

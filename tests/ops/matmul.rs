@@ -507,8 +507,10 @@ fn masked_bmm_backward_with_mask_views() -> Result<()> {
 /// masked) for `loss = sum(w * out)`. Causal (spans that end on the diagonal), a mask whose
 /// spans hold empty tiles inside them, per-batch masks with one batch entry all masked (empty
 /// spans: zero gradients), transposed operands, k = 1, and every dtype. n = 332 and k a multiple
-/// of 4 up to 64 with row-major operands (the per-batch and the corners cases at k = 40 and 12):
-/// on an H200, f32 takes the Hopper span kernels for both gradients.
+/// of 4 up to 64 with row-major operands (the per-batch and the corners cases at k = 40 and 12,
+/// the narrowed masks' at 64 and 20): on an H200, f32 takes the Hopper span kernels for both
+/// gradients, with the mask read from global memory (rows of 332 bytes) and copied with the
+/// stages (the narrowed masks).
 #[test]
 fn masked_bmm_backward_skips_empty_tiles() -> Result<()> {
     for_each_device(|dev| {
@@ -530,6 +532,15 @@ fn masked_bmm_backward_skips_empty_tiles() -> Result<()> {
             Tensor::cat(&[&random, &none], 0)?
         };
         let causal = make_mask(MaskKind::Causal, &[300, 332], dev, 412)?;
+        // Masks narrowed out of rows of 352 bytes (strides multiples of 16, the last 16 bytes of
+        // a row cut to 12): the Hopper kernels copy their partial tiles' bytes with the stages.
+        let causal_narrowed =
+            make_mask(MaskKind::Causal, &[300, 352], dev, 413)?.narrow(1, 0, 332)?;
+        let per_batch_narrowed = {
+            let random = make_mask(MaskKind::Random, &[1, 300, 352], dev, 414)?;
+            let none = make_mask(MaskKind::AllMasked, &[1, 300, 352], dev, 415)?;
+            Tensor::cat(&[&random, &none], 0)?.narrow(2, 0, 332)?
+        };
         for dtype in float_dtypes(dev) {
             for (c, (mask, k, transposed)) in [
                 (&causal, 72, false),
@@ -537,6 +548,8 @@ fn masked_bmm_backward_skips_empty_tiles() -> Result<()> {
                 (&per_batch, 40, false),
                 (&corners, 12, false),
                 (&causal, 1, true),
+                (&causal_narrowed, 64, false),
+                (&per_batch_narrowed, 20, false),
             ]
             .into_iter()
             .enumerate()

@@ -12,7 +12,10 @@
 // chunk c (4 of k) of row r at (r / 8) GROUP + c 128 + (r % 8) 16 bytes, GROUP = 512. A stage is
 // 16 of k (the reduction). Each thread copies (cp.async) three 16-byte chunks of a stage into one
 // of STAGES raw buffers; pieces past the operands or the span are not copied and are read as
-// zeros. Stage s, once every thread's copies of it have landed (the barrier of stage s - 1 waits
+// zeros. The mask's bytes of a stage of a partial tile (the plan's state, known a tile ahead) come
+// with it into the raw buffer when the mask's rows allow 16-byte copies (unit column stride, row
+// and batch strides and address multiples of 16); otherwise the split reads them from global
+// memory. Stage s, once every thread's copies of it have landed (the barrier of stage s - 1 waits
 // for them), is split: each element x becomes big = x rounded to TF32 and small = x - big (g's
 // elements the mask hides, all of an empty mask tile's, become zeros first); the B operand's parts
 // go to one of two split buffers, the A fragments' to registers. Then a proxy fence (the split's
@@ -55,20 +58,23 @@ constexpr uint8_t EMPTY = fastops_constants::matmul::TILE_EMPTY, FULL = fastops_
 
 // grad_a's shared memory: raw stages of g's 128 rows and b's ROWS rows (64 bytes of k padded to
 // 80, so that 16-byte reads of 8 consecutive rows and the A fragments' 4-byte reads of 8 rows x 4
-// of k fall in distinct banks), then two split buffers of b's stage (big, small).
+// of k fall in distinct banks) and of the mask's 128 rows (16 bytes each), then two split buffers
+// of b's stage (big, small).
 namespace GA {
-constexpr uint32_t RAW_ROW = STAGE_K * 4 + 16, RAW_BYTES = (TILE + ROWS) * RAW_ROW;
+constexpr uint32_t RAW_ROW = STAGE_K * 4 + 16, MASK_OFF = (TILE + ROWS) * RAW_ROW;
+constexpr uint32_t RAW_BYTES = MASK_OFF + TILE * STAGE_K;
 constexpr uint32_t SPLIT_BYTES = ROWS * STAGE_K * 4;
 static_assert(TILE * STAGE_K == 8 * THREADS && ROWS * STAGE_K == 4 * THREADS, "two chunks of g and one of b a thread");
 static_assert(STAGES * RAW_BYTES + 2 * 2 * SPLIT_BYTES == SS::SHARED_BYTES, "the host sizes the launch by it");
 }  // namespace GA
 
 // grad_b's: raw stages of 16 of a's rows (ROWS f32, padded so that the A fragments' reads of 4
-// rows x 8 columns fall in distinct banks) and 16 of g's rows (TILE f32), then two split buffers
-// of g's stage.
+// rows x 8 columns fall in distinct banks), 16 of g's rows (TILE f32) and 16 of the mask's (TILE
+// bytes), then two split buffers of g's stage.
 namespace GB {
 constexpr uint32_t A_ROW = ROWS * 4 + 32, G_ROW = TILE * 4;
-constexpr uint32_t RAW_BYTES = STAGE_K * (A_ROW + G_ROW);
+constexpr uint32_t MASK_OFF = STAGE_K * (A_ROW + G_ROW);
+constexpr uint32_t RAW_BYTES = MASK_OFF + STAGE_K * TILE;
 constexpr uint32_t SPLIT_BYTES = TILE * STAGE_K * 4;
 static_assert(STAGE_K * ROWS == 4 * THREADS && STAGE_K * TILE == 8 * THREADS, "one chunk of a and two of g a thread");
 static_assert(STAGES * RAW_BYTES + 2 * 2 * SPLIT_BYTES == SS::GRAD_B_SHARED_BYTES, "the host sizes the launch by it");
@@ -123,6 +129,7 @@ struct SpanStates {
     int64_t stride;
     int tiles;
     uint8_t now = FULL, next = FULL;
+    int now_tile = -1;
     __device__ __forceinline__ SpanStates(const uint8_t* at_, int64_t stride_, int tiles_)
         : at(at_), stride(stride_), tiles(tiles_) {
         if (tiles > 0) next = at[0];
@@ -131,9 +138,15 @@ struct SpanStates {
         if (tiles > 0 && s % STAGES_PER_TILE == 0) {
             const int t = s / STAGES_PER_TILE;
             now = next;
+            now_tile = t;
             next = t + 1 < tiles ? at[(t + 1) * stride] : FULL;
         }
         return now;
+    }
+    // The state of a stage of the current tile or the next (a stage not yet reached by of_stage,
+    // at most a tile ahead).
+    __device__ __forceinline__ uint8_t ahead(int s) const {
+        return s / STAGES_PER_TILE == now_tile ? now : next;
     }
 };
 
@@ -165,7 +178,7 @@ __device__ __forceinline__ void store_wg_tile(const float (&acc)[32], float* out
 // `b_small0`: this warpgroup's B descriptors in split buffer 0 (buffer 1 is 2 SPLIT_BYTES
 // further). Returns the total in acc.
 template <uint32_t SPLIT_BYTES, class Issue, class SplitB, class GatherA>
-__device__ __forceinline__ void span_stages(int stages, SpanStates states, uint32_t splits, uint64_t b_big0,
+__device__ __forceinline__ void span_stages(int stages, SpanStates& states, uint32_t splits, uint64_t b_big0,
                                             uint64_t b_small0, Issue&& issue, SplitB&& split_b, GatherA&& gather_a,
                                             float (&acc)[32]) {
     float part[32];
@@ -265,6 +278,14 @@ __device__ __forceinline__ void span_grad_a(const float* __restrict__ g, const f
         chunk_src[q] = q < 2 ? g + tile.batch * p.a.batch_stride + (row0 + c.row) * p.a.outer_stride + range.k0 + c.col
                              : b + tile.batch * p.b.batch_stride + c.row * p.b.outer_stride + range.k0 + c.col;
     }
+    SpanStates states(plan + tile.batch * sa.plan_batch_stride + tile.row_tile * sa.plan_col_tiles +
+                          range.k0 / TILE,
+                      1, sa.masked ? range.tiles : 0);
+    // The mask's 16 bytes of a stage of row tid of the tile go to shared memory with the stage
+    // when the tile is partial and the mask's rows allow 16-byte copies.
+    const bool mask_copies = sa.masked && sa.mask_col_stride == 1 && sa.mask_row_stride % 16 == 0 &&
+                             sa.mask_batch_stride % 16 == 0 && reinterpret_cast<uintptr_t>(mask) % 16 == 0;
+    const uint8_t* mask_src = mask + tile.batch * sa.mask_batch_stride + (row0 + tid) * sa.mask_row_stride + range.k0;
     int issued = 0;
     auto issue = [&] {
         if (issued < range.stages) {
@@ -278,6 +299,9 @@ __device__ __forceinline__ void span_grad_a(const float* __restrict__ g, const f
                 const uint32_t dst = raw + (q < 2 ? c.row : TILE + c.row) * GA::RAW_ROW + 4 * c.col;
                 if (live && bytes > 0) cp_async16(dst, chunk_src[q] + int64_t(issued) * STAGE_K, bytes);
             }
+            const uint8_t state = states.ahead(issued);
+            if (mask_copies && state != FULL && state != EMPTY && tid < g_rows)
+                cp_async16(raw + GA::MASK_OFF + 16 * tid, mask_src + int64_t(issued) * STAGE_K, k_left);
             ++issued;
         }
         cp_async_commit();
@@ -313,15 +337,15 @@ __device__ __forceinline__ void span_grad_a(const float* __restrict__ g, const f
             for (int v = 0; v < 4; ++v) {
                 const int h = v % 2, k = lane % 4 + 4 * (2 * k8 + v / 2);
                 bool live = frag_live[h] && k < k_left && state != EMPTY;
-                if (live && state != FULL) live = keep[h * 8 * sa.mask_row_stride + (k - lane % 4) * sa.mask_col_stride] != 0;
+                if (live && state != FULL) {
+                    if (mask_copies) live = raw[GA::MASK_OFF + 16 * (frag_row + 8 * h) + k] != 0;
+                    else live = keep[h * 8 * sa.mask_row_stride + (k - lane % 4) * sa.mask_col_stride] != 0;
+                }
                 const uint32_t x = live ? *reinterpret_cast<const uint32_t*>(raw + (frag_row + 8 * h) * GA::RAW_ROW + 4 * k) : 0u;
                 split_tf32(x, big[k8][v], small[k8][v]);
             }
         }
     };
-    const SpanStates states(plan + tile.batch * sa.plan_batch_stride + tile.row_tile * sa.plan_col_tiles +
-                                range.k0 / TILE,
-                            1, sa.masked ? range.tiles : 0);
     // Every warpgroup reads all of b's split stage.
     const uint64_t b_big0 = smem_desc(splits, 128, GROUP), b_small0 = smem_desc(splits + GA::SPLIT_BYTES, 128, GROUP);
     float acc[32];
@@ -350,6 +374,18 @@ __device__ __forceinline__ void span_grad_b(const float* __restrict__ a_t, const
     const int g_bytes = 4 * static_cast<int>(min(max(p.n - col0 - g_col, int64_t(0)), int64_t(4)));
     const float* a_src = a_t + tile.batch * p.a.batch_stride + a_col + (range.k0 + a_row) * p.a.k_stride;
     const float* g_src = g + tile.batch * p.b.batch_stride + col0 + g_col + (range.k0 + g_row) * p.b.k_stride;
+    SpanStates states(plan + tile.batch * sa.plan_batch_stride + (range.k0 / TILE) * sa.plan_col_tiles +
+                          tile.col_group,
+                      sa.plan_col_tiles, sa.masked ? range.tiles : 0);
+    // The mask's 16 rows x 128 columns of a stage go to shared memory with it, row tid / 8,
+    // columns 16 (tid % 8) .. of the tile from thread tid < 128, when the tile is partial and the
+    // mask's rows allow 16-byte copies.
+    const bool mask_copies = sa.masked && sa.mask_col_stride == 1 && sa.mask_row_stride % 16 == 0 &&
+                             sa.mask_batch_stride % 16 == 0 && reinterpret_cast<uintptr_t>(mask) % 16 == 0;
+    const int mask_row = tid / 8, mask_col = 16 * (tid % 8);
+    const int mask_bytes = tid < TILE ? static_cast<int>(min(max(p.n - col0 - mask_col, int64_t(0)), int64_t(16))) : 0;
+    const uint8_t* mask_src =
+        mask + tile.batch * sa.mask_batch_stride + (range.k0 + mask_row) * sa.mask_row_stride + col0 + mask_col;
     int issued = 0;
     auto issue = [&] {
         if (issued < range.stages) {
@@ -363,6 +399,10 @@ __device__ __forceinline__ void span_grad_b(const float* __restrict__ a_t, const
                 if (g_row < k_left) cp_async16(raw_g + g_row * GB::G_ROW + 4 * g_col, src, g_bytes);
                 if (g_row + 8 < k_left) cp_async16(raw_g + (g_row + 8) * GB::G_ROW + 4 * g_col, src + 8 * p.b.k_stride, g_bytes);
             }
+            const uint8_t state = states.ahead(issued);
+            if (mask_copies && state != FULL && state != EMPTY && mask_row < k_left && mask_bytes > 0)
+                cp_async16(raw + GB::MASK_OFF + TILE * mask_row + mask_col, mask_src + step * sa.mask_row_stride,
+                           mask_bytes);
             ++issued;
         }
         cp_async_commit();
@@ -385,7 +425,10 @@ __device__ __forceinline__ void span_grad_b(const float* __restrict__ a_t, const
             for (int i = 0; i < 4; ++i) {
                 const int r = 4 * kq + i;
                 bool live = r < k_left;
-                if (live && state != FULL) live = keep[r * sa.mask_row_stride] != 0;
+                if (live && state != FULL) {
+                    if (mask_copies) live = raw_g[GB::MASK_OFF - STAGE_K * GB::A_ROW + TILE * r + gn] != 0;  // the mask rows
+                    else live = keep[r * sa.mask_row_stride] != 0;
+                }
                 e[i] = live ? *reinterpret_cast<const uint32_t*>(raw_g + r * GB::G_ROW + 4 * gn) : 0u;
             }
             split_store(shared_raw + (split - shared), shared_raw + (split - shared) + GB::SPLIT_BYTES,
@@ -411,9 +454,6 @@ __device__ __forceinline__ void span_grad_b(const float* __restrict__ a_t, const
             }
         }
     };
-    const SpanStates states(plan + tile.batch * sa.plan_batch_stride + (range.k0 / TILE) * sa.plan_col_tiles +
-                                tile.col_group,
-                            sa.plan_col_tiles, sa.masked ? range.tiles : 0);
     // This warpgroup's 64 columns of g's split stage.
     const uint64_t b_big0 = smem_desc(splits + wg * 8 * GROUP, 128, GROUP),
                    b_small0 = smem_desc(splits + GB::SPLIT_BYTES + wg * 8 * GROUP, 128, GROUP);

@@ -164,16 +164,18 @@ pub(super) fn launch<T: WithDType + DeviceRepr + candle_core::cuda_backend::Cuda
 }
 
 // The Hopper kernels' shared memory, as their layout checks too. grad_a: STAGES raw stages of a
-// TILE-row and a COLS-row tile (rows of 80 bytes) and two split buffers of the second (big and
-// small, 64 bytes a row each). grad_b: STAGES raw stages of 16 rows of a (COLS f32 padded to 288
-// bytes) and of g (TILE f32), and two split buffers of g's (TILE rows of 64 bytes, big and small).
+// TILE-row and a COLS-row tile (rows of 80 bytes) and of the mask's TILE rows (16 bytes each),
+// and two split buffers of the second tile (big and small, 64 bytes a row each). grad_b: STAGES
+// raw stages of 16 rows of a (COLS f32 padded to 288 bytes), of g (TILE f32) and of the mask
+// (TILE bytes), and two split buffers of g's (TILE rows of 64 bytes, big and small).
 const _: () = assert!(
     SPAN_SM90::SHARED_BYTES
-        == SPAN_SM90::STAGES * (TILE + SPAN_SM90::COLS) * 80 + 4 * SPAN_SM90::COLS * 64
+        == SPAN_SM90::STAGES * ((TILE + SPAN_SM90::COLS) * 80 + TILE * 16)
+            + 4 * SPAN_SM90::COLS * 64
 );
 const _: () = assert!(
     SPAN_SM90::GRAD_B_SHARED_BYTES
-        == SPAN_SM90::STAGES * 16 * (SPAN_SM90::COLS * 4 + 32 + TILE * 4) + 4 * TILE * 64
+        == SPAN_SM90::STAGES * 16 * (SPAN_SM90::COLS * 4 + 32 + TILE * 4 + TILE) + 4 * TILE * 64
 );
 
 /// The Hopper kernel (`src/cuda/sm90/span.cu`) that computes this span product, with its dynamic
