@@ -444,6 +444,28 @@ fn long_sequences_every_mask() -> Result<()> {
                 }
             }
         }
+        // Documents in runs over three blocks of 128 queries and keys (the Hopper kernels' blocks
+        // take row / key blocks r and 2 - r: the middle block takes one), causal and not.
+        for (name, spec) in [
+            (
+                "documents causal",
+                Spec::Documents(documents(b, 300, 23), true),
+            ),
+            ("documents", Spec::Documents(documents(b, 300, 25), false)),
+        ] {
+            for dtype in &dtypes {
+                for d in [128, 64] {
+                    check(
+                        (b, 2, 1, 300, 300, d, d),
+                        &spec,
+                        *dtype,
+                        dev,
+                        Views::Plain,
+                        &format!("{name} m 300 d {d}"),
+                    )?;
+                }
+            }
+        }
         // m < n across blocks (a cache of 700 keys), causal and window.
         for dtype in &dtypes {
             check(
