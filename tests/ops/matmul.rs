@@ -551,8 +551,9 @@ fn masked_bmm_backward_skips_empty_tiles() -> Result<()> {
                 (&causal, 1, true, 1),
                 (&causal_narrowed, 64, false, 64),
                 (&per_batch_narrowed, 20, false, 20),
-                // a's rows of 13 (not a whole number of 16-byte chunks) 64 bytes apart: the
-                // Hopper grad_b copies each row's last chunk in part.
+                // a's rows of 13 and 30 elements (not whole 16-byte chunks in f32) at strides of
+                // 16 and 32: in f32 on compute capability 9.0 the Hopper grad_b takes them
+                // (outer-contiguous, 16-byte aligned rows) and copies each row's last chunk in part.
                 (&causal, 13, false, 16),
                 (&per_batch_narrowed, 30, false, 32),
             ]
