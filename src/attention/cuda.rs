@@ -750,27 +750,39 @@ fn check_grid(p: &Problem) -> Result<()> {
     Ok(())
 }
 
+/// The Hopper backward's dq accumulator, `[b, h, padded_m, head_tile]` f32, zeroed: by the
+/// forward when gradients are tracked (its producer's idle warps), by a memset otherwise.
+pub(super) type ZeroedDq = CudaSlice<f32>;
+
+/// The length of the Hopper backward's dq accumulator at `head_tile`.
+fn dq_accum_len(p: &Problem, head_tile: usize) -> usize {
+    p.batch * p.heads * p.m.div_ceil(TILE_Q) * TILE_Q * head_tile
+}
+
 /// The forward: the output (`[b, h, m, dv]`, laid out as `io` says) and the log-sum-exp (f32
-/// `[b, h, m]`).
+/// `[b, h, m]`); with `zero_dq` (gradients tracked), the Hopper backward's dq accumulator, zeroed
+/// by the Hopper forward on the way, when that forward ran.
 pub(super) fn forward(
     p: &Problem, mask: &DeviceMask, q: (&CudaStorage, &Layout), k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout), io: Io,
-) -> Result<(CudaStorage, Tensor)> {
+    v: (&CudaStorage, &Layout), io: Io, zero_dq: bool,
+) -> Result<(CudaStorage, Tensor, Option<ZeroedDq>)> {
     let dev = &q.0.device;
     check_grid(p)?;
     let rows = p.batch * p.heads * p.m;
     let lse = alloc_output::<f32>(dev, rows)?;
-    let out = with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, io, &lse)?);
-    Ok((out, cuda_tensor(dev, lse, (p.batch, p.heads, p.m))))
+    let (out, dq) = with_float_cuda_type!(OP, q.0.dtype(), T => forward_typed::<T>(p, mask, q, k, v, io, &lse, zero_dq)?);
+    Ok((out, cuda_tensor(dev, lse, (p.batch, p.heads, p.m)), dq))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
     p: &Problem, mask: &DeviceMask, (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout), (v, vl): (&CudaStorage, &Layout), io: Io,
-    lse: &CudaSlice<f32>,
-) -> Result<CudaStorage> {
+    lse: &CudaSlice<f32>, zero_dq: bool,
+) -> Result<(CudaStorage, Option<ZeroedDq>)> {
     let dev = &q.device;
     let out = alloc_output::<T>(dev, p.batch * p.heads * p.m * p.dv)?;
+    let mut zeroed_dq = None;
     if p.batch * p.heads * p.m > 0 {
         let path = Path::of(p, T::DTYPE);
         let mask = &mask.for_path(path);
@@ -795,18 +807,33 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
                 match maps {
                     (Some(k_map), Some(v_map)) => {
                         let (kernel, cfg) = hopper_forward_kernel::<T>(dev, p, mask, head_tile)?;
+                        // Only the non-deterministic backward is the Hopper one that reads it.
+                        let dq = if zero_dq && !p.deterministic && p.n > 0 {
+                            // (The kernel writes every element: each block its query tiles'
+                            // rows, below row_tiles.)
+                            Some(alloc_output::<f32>(dev, dq_accum_len(p, head_tile))?)
+                        } else {
+                            None
+                        };
+                        let null = 0u64;
                         // SAFETY: the arguments match `attention_fwd_sm90_*(q, k_map, v_map,
-                        // out, lse, states, dense, ids, args)`. The kernel reads q, the mask's
-                        // buffers and writes out and lse as the portable forward below does; k
-                        // and v are read through the maps, which cover exactly their layouts
-                        // (the TMA unit returns zeros outside them).
+                        // out, lse, states, dense, ids, args, dq_zero)`. The kernel reads q, the
+                        // mask's buffers and writes out and lse as the portable forward below
+                        // does; k and v are read through the maps, which cover exactly their
+                        // layouts (the TMA unit returns zeros outside them); dq_zero, when not
+                        // null, is written whole (b * h * row_tiles tiles of 64 x head_tile f32).
                         unsafe {
                             kernel.launch(cfg, |a_| {
                                 a_.arg(&qv).arg(&k_map).arg(&v_map).arg(&out).arg(lse);
                                 views.push(a_);
                                 a_.arg(&a);
+                                match &dq {
+                                    Some(dq) => a_.arg(dq),
+                                    None => a_.arg(&null),
+                                };
                             })?;
                         }
+                        zeroed_dq = dq;
                         true
                     }
                     _ => false,
@@ -832,7 +859,7 @@ fn forward_typed<T: WithDType + CudaDType + DeviceRepr>(
             }
         }
     }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), zeroed_dq))
 }
 
 /// What the backward reads: the forward's operands as it got them, its output and the output's
@@ -871,7 +898,7 @@ fn cuda_tensor<T: CudaDType + DeviceRepr>(
 /// The backward: the gradients of q, k and v in the dtype of the operands, laid out as `io`
 /// says.
 pub(super) fn backward(
-    p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>, io: Io,
+    p: &Problem, mask: &DeviceMask, x: &BackwardInputs<'_>, io: Io, zeroed_dq: Option<ZeroedDq>,
 ) -> Result<Gradients> {
     check_grid(p)?;
     let out_dims = io.out_dims(p);
@@ -891,7 +918,7 @@ pub(super) fn backward(
             x.grad_out.layout()
         );
     }
-    with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x, io))
+    with_float_cuda_type!(OP, x.q.dtype(), T => backward_typed::<T>(p, mask, x, io, zeroed_dq))
 }
 
 fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
@@ -904,7 +931,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         grad_out,
         lse,
     }: &BackwardInputs<'_>,
-    io: Io,
+    io: Io, zeroed_dq: Option<ZeroedDq>,
 ) -> Result<Gradients> {
     let candle_core::Device::Cuda(dev) = q.device() else {
         bail!("{OP}: internal error, the CUDA backward got CPU tensors");
@@ -967,9 +994,10 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
     // turns into dq; the portable dq pass writes dq itself (no atomics).
     let padded_m = p.m.div_ceil(TILE_Q) * TILE_Q;
     let dq_accum = match &hopper {
-        Some((head_tile, _)) => {
-            Some(dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * head_tile)?)
-        }
+        Some((head_tile, _)) => Some(match zeroed_dq {
+            Some(zeroed) if zeroed.len() == dq_accum_len(p, *head_tile) => zeroed,
+            _ => dev.alloc_zeros::<f32>(dq_accum_len(p, *head_tile))?,
+        }),
         None => None,
     };
     let mask = &mask.for_path(path);

@@ -314,6 +314,7 @@ pub fn masked_attention_backward(
         p,
         mask: mask.clone(),
         saved: Arc::new(Mutex::new(Some(lse.to_dtype(DType::F64)?))),
+        dq: DqCarry::default(),
     };
     if q.dtype() == DType::F64 {
         op.cpu_backward::<f64>((&q, &k, &v), &out, &grad_out)
@@ -453,6 +454,7 @@ fn packed(
         p,
         mask: mask.clone(),
         saved: SavedLse::default(),
+        dq: DqCarry::for_operands(&[qkv]),
     };
     qkv.apply_op1(PackedAttention { parts, attention })
 }
@@ -514,6 +516,7 @@ pub fn masked_attention_tokens(
         p,
         mask: mask.clone(),
         saved: SavedLse::default(),
+        dq: DqCarry::for_operands(&[q, k, v]),
     };
     q.apply_op3(k, v, TokenAttention { attention })
 }
@@ -815,6 +818,7 @@ fn attention(
         p,
         mask: mask.clone(),
         saved: saved.clone(),
+        dq: DqCarry::default(),
     };
     Ok((q.apply_op3(k, v, op)?, saved))
 }
@@ -858,6 +862,7 @@ fn cuda_attention(
         p: padded,
         mask: mask.clone(),
         saved: saved.clone(),
+        dq: DqCarry::for_operands(&[&q2, &k2, &v2]),
     };
     let out = q2.apply_op3(&k2, &v2, op)?;
     let out = if padded.dv == p.dv {
@@ -881,6 +886,7 @@ fn cuda_attention_backward(
         p: padded,
         mask: mask.clone(),
         saved: Arc::new(Mutex::new(Some(lse.to_dtype(DType::F32)?.contiguous()?))),
+        dq: DqCarry::default(),
     };
     let (out, grad_out) = (pad_to(out, padded.dv)?, pad_to(grad_out, padded.dv)?);
     let grads = op.cuda_backward((&q2, &k2, &v2), &out, &grad_out, cuda::Io::HeadMajor)?;
@@ -991,6 +997,54 @@ struct Attention {
     p: Problem,
     mask: AttentionMask,
     saved: SavedLse,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    dq: DqCarry,
+}
+
+/// The Hopper backward's dq accumulator, zeroed by the CUDA forward when an operand tracks
+/// gradients, so that the backward needs no memset of its own (the forward's idle producer warps
+/// write the zeros while its consumers compute). Held from the forward to the first backward,
+/// which takes it; a later backward, or one that runs other kernels, allocates its own.
+#[derive(Default)]
+struct DqCarry {
+    /// Whether the forward makes it: some operand tracks gradients (`Tensor::track_op`).
+    #[cfg(feature = "cuda")]
+    wanted: bool,
+    #[cfg(feature = "cuda")]
+    zeroed: Mutex<Option<cuda::ZeroedDq>>,
+}
+
+impl DqCarry {
+    #[cfg(feature = "cuda")]
+    fn for_operands(operands: &[&Tensor]) -> Self {
+        Self {
+            wanted: operands.iter().any(|t| t.track_op()),
+            zeroed: Mutex::default(),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn for_operands(_: &[&Tensor]) -> Self {
+        Self::default()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn keep(&self, dq: Option<cuda::ZeroedDq>) -> Result<()> {
+        *self
+            .zeroed
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = dq;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn take(&self) -> Result<Option<cuda::ZeroedDq>> {
+        Ok(self
+            .zeroed
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
+            .take())
+    }
 }
 
 /// A rank-4 strided view as a contiguous slice of the accumulator type: the data itself when it
@@ -1152,8 +1206,17 @@ impl Attention {
         }
         let device = candle_core::Device::Cuda(q.device.clone());
         let mask = cuda::DeviceMask::new(&self.mask, p, &device)?;
-        let (out, lse) = cuda::forward(p, &mask, (q, q_layout), (k, k_layout), (v, v_layout), io)?;
+        let (out, lse, dq) = cuda::forward(
+            p,
+            &mask,
+            (q, q_layout),
+            (k, k_layout),
+            (v, v_layout),
+            io,
+            self.dq.wanted,
+        )?;
         self.keep_lse(lse)?;
+        self.dq.keep(dq)?;
         Ok(out)
     }
 
@@ -1177,7 +1240,7 @@ impl Attention {
             grad_out: &go,
             lse: &lse,
         };
-        cuda::backward(&self.p, &mask, &inputs, io)
+        cuda::backward(&self.p, &mask, &inputs, io, self.dq.take()?)
     }
 }
 

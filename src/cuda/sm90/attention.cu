@@ -194,10 +194,23 @@ static_assert(128 * (PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) <= THR
 // S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
 // runs the mask and the online softmax of the current tile while the other consumer's products
 // run. MASKS: the MaskFamily of the mask.
+// Sets the backward's dq accumulator rows of query tiles qt0 .. qt0 + CONSUMERS - 1 (those below
+// row_tiles) of head bh to zero: dq_accum is f32 [b, h, row_tiles, BQ x D] (see backward_ws), so
+// the tiles are one contiguous, 16-byte aligned run. `threads` threads from `thread` 0 share it.
+template <int D>
+__device__ __forceinline__ void zero_dq_tiles(float* __restrict__ dq_accum, const AttentionArgs& a, int64_t bh,
+                                              int64_t qt0, int thread, int threads) {
+    const int64_t tiles = min(static_cast<int64_t>(CONSUMERS), a.row_tiles - qt0);
+    float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * a.row_tiles + qt0) * (BQ * D));
+    const int count = static_cast<int>(tiles) * (BQ * D / 4);
+    for (int i = thread; i < count; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const TensorMap* k_map, const TensorMap* v_map,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
-                                           const uint8_t* dense, const int64_t* ids, const AttentionArgs& a) {
+                                           const uint8_t* dense, const int64_t* ids, const AttentionArgs& a,
+                                           float* __restrict__ dq_zero) {
     using L = TileLayout<D>;
     constexpr int STAGES = L::STAGES;
     extern __shared__ __align__(1024) unsigned char shared_raw[];
@@ -255,7 +268,12 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do
         // (with stored masks the warpgroup gives registers to the consumers first).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
-        if (tid >= 32) return;
+        if (tid >= 32) {
+            // Warps 1 .. 3 zero the backward's dq accumulator rows of the block (when the host
+            // asks: gradients tracked), off the consumers' path.
+            if (dq_zero != nullptr) zero_dq_tiles<D>(dq_zero, a, bh, qt0, tid - 32, 96);
+            return;
+        }
         int i = 0;
         for (int64_t kt = next(-1); kt < a.col_tiles; kt = next(kt), ++i) {
             const int stage = i % STAGES;
@@ -932,12 +950,15 @@ __device__ __forceinline__ void backward_ws(const TensorMap* q_map, const Tensor
 // Exported kernels: attention_fwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16} (generated:
 // full, causal and window masks; runs: documents in contiguous runs, `ids` holding each position's
 // document as MaskView::document_of reads it; stored: other documents and dense masks), with the arguments of the
-// portable attention_fwd_d*_* (src/cuda/attention.cu) but TMA maps of k and v for their pointers.
+// portable attention_fwd_d*_* (src/cuda/attention.cu) but TMA maps of k and v for their pointers,
+// and dq_zero: null, or the backward's dq accumulator (f32 [b, h, row_tiles, 64 x D]), which the
+// forward then sets to zero on the way (the backward's memset, off its path).
 #define ATTENTION_SM90_MASK(T, RUST, D, KIND, MASKS)                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_sm90_##KIND##_d##D##_##RUST(               \
         const T* q, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, T* out,         \
-        float* lse, const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a) {               \
-        forward_ws<T, D, MASKS>(q, &k_map, &v_map, out, lse, states, dense, ids, a);                              \
+        float* lse, const uint8_t* states, const uint8_t* dense, const int64_t* ids, AttentionArgs a,                 \
+        float* dq_zero) {                                                                                             \
+        forward_ws<T, D, MASKS>(q, &k_map, &v_map, out, lse, states, dense, ids, a, dq_zero);                     \
     }
 #define ATTENTION_SM90(T, RUST, D)                                                                                    \
     ATTENTION_SM90_MASK(T, RUST, D, generated, FORMULA)                                                               \
@@ -948,7 +969,7 @@ ATTENTION_SM90(__nv_bfloat16, bf16, 64)
 ATTENTION_SM90(__nv_bfloat16, bf16, 128)
 
 // attention_bwd_sm90_{generated,runs,stored}_d{64,128}_{f16,bf16}: dk, dv and dq (into dq_accum, f32,
-// zeroed by the host, which attention_dq_rows_sm90_d*_* then turns into dq) after
+// zeroed by the host or the forward, which attention_dq_rows_sm90_d*_* then turns into dq) after
 // attention_delta_*; a block of two warpgroups
 // per 128 keys of a (batch entry, kv head); TMA maps of q, k, v and grad_out (read) and of dk and
 // dv (written).
