@@ -53,7 +53,10 @@ pub struct AttentionOptions {
 ///   and v share one.
 /// * A query that sees no key gives a zero row (not NaN) and zero gradients.
 /// * Autograd: gradients for `q`, `k` and `v`, recomputing the probabilities from the saved
-///   log-sum-exp (no `m x n` buffer).
+///   log-sum-exp (no `m x n` buffer). Memory: when an operand tracks gradients, the Hopper
+///   forward (below) also zeroes the backward's f32 dq accumulator (`4 * batch * heads * m *
+///   head tile` bytes, m rounded up to 64) and the op keeps it until the first backward, which
+///   then needs no memset; drop the output (or pass detached operands) to release it without one.
 /// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
 ///   backward; tiles (128 queries x 64 keys on the CPU, 64 x 64 on CUDA) that the mask hides
 ///   entirely are skipped.
