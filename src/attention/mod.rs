@@ -41,6 +41,13 @@ pub struct AttentionOptions {
     /// a block); both add each key block's share of dq with float reductions in a varying order.
     /// Deterministic, they take the two-pass backward.
     pub deterministic: Option<bool>,
+    /// Whether the Hopper forward, when an operand tracks gradients, also zeroes the Hopper
+    /// backward's f32 dq accumulator (`None`: yes). That spares the backward a memset (2-3% of
+    /// forward + backward at long sequences on an H100) but holds `4 * batch * heads * m * head
+    /// tile` bytes (m rounded up to 64, head tile 64 or 128) from the forward to the first
+    /// backward: in a model of many layers, every layer's at once when the forward ends.
+    /// `Some(false)` keeps that memory inside the backward. No effect elsewhere.
+    pub dq_in_forward: Option<bool>,
 }
 
 /// Attention of `q` over `k` and `v` under `mask`: `out = softmax(scale * q kᵀ, masked) v`.
@@ -56,7 +63,8 @@ pub struct AttentionOptions {
 ///   log-sum-exp (no `m x n` buffer). Memory: when an operand tracks gradients, the Hopper
 ///   forward (below) also zeroes the backward's f32 dq accumulator (`4 * batch * heads * m *
 ///   head tile` bytes, m rounded up to 64) and the op keeps it until the first backward, which
-///   then needs no memset; drop the output (or pass detached operands) to release it without one.
+///   then needs no memset (`AttentionOptions::dq_in_forward` turns this off); dropping the
+///   output releases it without a backward.
 /// * Cost: `4 * batch * heads * d * (visible keys per query) * m` FLOPs forward, about 2.5x that
 ///   backward; tiles (128 queries x 64 keys on the CPU, 64 x 64 on CUDA) that the mask hides
 ///   entirely are skipped.
@@ -457,7 +465,7 @@ fn packed(
         p,
         mask: mask.clone(),
         saved: SavedLse::default(),
-        dq: DqCarry::for_operands(&[qkv]),
+        dq: DqCarry::for_operands(&p, &[qkv]),
     };
     qkv.apply_op1(PackedAttention { parts, attention })
 }
@@ -519,7 +527,7 @@ pub fn masked_attention_tokens(
         p,
         mask: mask.clone(),
         saved: SavedLse::default(),
-        dq: DqCarry::for_operands(&[q, k, v]),
+        dq: DqCarry::for_operands(&p, &[q, k, v]),
     };
     q.apply_op3(k, v, TokenAttention { attention })
 }
@@ -802,6 +810,9 @@ pub(crate) struct Problem {
     pub scale: f64,
     /// Whether the backward must give identical bits run to run.
     pub deterministic: bool,
+    /// Whether a forward whose operands track gradients prepares the Hopper backward's zeroed dq
+    /// accumulator (`AttentionOptions::dq_in_forward`).
+    pub dq_in_forward: bool,
 }
 
 /// The forward's log-sum-exp `[b, h, m]` (f64 on the CPU, f32 on a GPU), kept for the backward
@@ -865,7 +876,7 @@ fn cuda_attention(
         p: padded,
         mask: mask.clone(),
         saved: saved.clone(),
-        dq: DqCarry::for_operands(&[&q2, &k2, &v2]),
+        dq: DqCarry::for_operands(&padded, &[&q2, &k2, &v2]),
     };
     let out = q2.apply_op3(&k2, &v2, op)?;
     let out = if padded.dv == p.dv {
@@ -992,6 +1003,7 @@ fn problem(q: &Tensor, k: &Tensor, v: &Tensor, options: &AttentionOptions) -> Re
         dv,
         scale,
         deterministic: options.deterministic.unwrap_or_else(crate::deterministic),
+        dq_in_forward: options.dq_in_forward.unwrap_or(true),
     })
 }
 
@@ -1018,16 +1030,17 @@ struct DqCarry {
 }
 
 impl DqCarry {
+    /// Wanted when `p` asks for it and an operand tracks gradients.
     #[cfg(feature = "cuda")]
-    fn for_operands(operands: &[&Tensor]) -> Self {
+    fn for_operands(p: &Problem, operands: &[&Tensor]) -> Self {
         Self {
-            wanted: operands.iter().any(|t| t.track_op()),
+            wanted: p.dq_in_forward && operands.iter().any(|t| t.track_op()),
             zeroed: Mutex::default(),
         }
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn for_operands(_: &[&Tensor]) -> Self {
+    fn for_operands(_: &Problem, _: &[&Tensor]) -> Self {
         Self::default()
     }
 

@@ -983,9 +983,10 @@ fn gradients_repeat_bit_for_bit() -> Result<()> {
 }
 
 /// With gradients tracked, the Hopper forward zeroes the backward's dq accumulator on the way and
-/// the first backward takes it; a second backward of the same graph zeroes its own. The two agree
-/// (outputs are poisoned: a tile the forward missed would be NaN in the first), with partial
-/// query tiles, an odd count of 128-row blocks, grouped-query heads and every dtype.
+/// the first backward takes it; a second backward of the same graph zeroes its own, and so does
+/// a graph built with `dq_in_forward: Some(false)`. All three agree (outputs are poisoned: a tile
+/// the forward missed would be NaN in the first), with partial query tiles, an odd count of
+/// 128-row blocks, grouped-query heads and every dtype.
 #[test]
 fn second_backward_of_one_graph_matches_the_first() -> Result<()> {
     for_each_device(|dev| {
@@ -999,19 +1000,32 @@ fn second_backward_of_one_graph_matches_the_first() -> Result<()> {
                 Var::from_tensor(&k)?,
                 Var::from_tensor(&v)?,
             ];
-            let out = masked_attention(&vars[0], &vars[1], &vars[2], &docs.mask(dev)?, 0.1)?;
-            let loss = (out * &weights)?.sum_all()?;
-            let (first, second) = (loss.backward()?, loss.backward()?);
+            let loss = |dq_in_forward| -> Result<Tensor> {
+                let options = AttentionOptions {
+                    scale: Some(0.1),
+                    dq_in_forward,
+                    ..Default::default()
+                };
+                let mask = docs.mask(dev)?;
+                let out = masked_attention_with(&vars[0], &vars[1], &vars[2], &mask, &options)?;
+                (out * &weights)?.sum_all()
+            };
+            let carried = loss(None)?;
+            let (first, second) = (carried.backward()?, carried.backward()?);
+            let in_backward = loss(Some(false))?.backward()?;
             for (name, var) in ["q", "k", "v"].iter().zip(&vars) {
                 let gradient = |grads: &candle_core::backprop::GradStore| {
                     to_f64(grads.get(var).expect("a gradient"))
                 };
-                assert_close(
-                    &gradient(&first)?,
-                    &gradient(&second)?,
-                    gradient_tolerance(dtype),
-                    &format!("{dtype:?} d{name}, first backward against the second"),
-                );
+                for (other, which) in [(&second, "the second"), (&in_backward, "dq_in_forward off")]
+                {
+                    assert_close(
+                        &gradient(&first)?,
+                        &gradient(other)?,
+                        gradient_tolerance(dtype),
+                        &format!("{dtype:?} d{name}, first backward against {which}"),
+                    );
+                }
             }
         }
         Ok(())
