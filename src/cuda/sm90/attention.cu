@@ -184,16 +184,6 @@ constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 static_assert(128 * (PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) <= THREADS * (65536 / THREADS / 8 * 8),
               "the block's launch registers hold the split");
 
-// The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
-// tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 4-d maps
-// of (columns, rows, kv heads, batch) with a box of 64 x 64 in the 128-byte swizzle: columns
-// 64 c .. 64 c + 63 of a tile's row r at c * 8192 + r * 128 bytes, zeros past n and d), completing
-// on the stage's `full` mbarrier, and reuses a stage once every consumer warp has released it
-// (`empty`). K is then a K-major operand of S, V an MN-major one of P V. Warpgroups 1 .. CONSUMERS consume: each owns one mask tile of 64 queries. They
-// take turns at the tensor cores (named barriers, in ping-pong): in its turn a consumer issues
-// S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
-// runs the mask and the online softmax of the current tile while the other consumer's products
-// run. MASKS: the MaskFamily of the mask.
 // Sets the backward's dq accumulator rows of query tiles qt0 .. qt0 + CONSUMERS - 1 (those below
 // row_tiles) of head bh to zero: dq_accum is f32 [b, h, row_tiles, BQ x D] (see backward_ws), so
 // the tiles are one contiguous, 16-byte aligned run. `threads` threads from `thread` 0 share it.
@@ -206,6 +196,16 @@ __device__ __forceinline__ void zero_dq_tiles(float* __restrict__ dq_accum, cons
     for (int i = thread; i < count; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
+// tiles of the block's key-tile walk through STAGES shared stages with TMA (k_map, v_map: 4-d maps
+// of (columns, rows, kv heads, batch) with a box of 64 x 64 in the 128-byte swizzle: columns
+// 64 c .. 64 c + 63 of a tile's row r at c * 8192 + r * 128 bytes, zeros past n and d), completing
+// on the stage's `full` mbarrier, and reuses a stage once every consumer warp has released it
+// (`empty`). K is then a K-major operand of S, V an MN-major one of P V. Warpgroups 1 .. CONSUMERS consume: each owns one mask tile of 64 queries. They
+// take turns at the tensor cores (named barriers, in ping-pong): in its turn a consumer issues
+// S = Q Kᵀ of the current key tile and O += P V of the previous one, hands the turn over, and
+// runs the mask and the online softmax of the current tile while the other consumer's products
+// run. MASKS: the MaskFamily of the mask.
 template <typename T, int D, int MASKS>
 __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const TensorMap* k_map, const TensorMap* v_map,
                                            T* __restrict__ out, float* __restrict__ lse, const uint8_t* states,
@@ -265,7 +265,7 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     if (wg == 0) {
         // The producer: tile i of the walk into stage i % STAGES, once the consumers have
         // released that stage's previous tile (i - STAGES). Warp 0 walks the tiles (next_live
-        // takes a whole warp), its lane 0 issues the copies; the other warps have nothing to do
+        // takes a whole warp), its lane 0 issues the copies; the other warps only zero dq_zero
         // (with stored masks the warpgroup gives registers to the consumers first).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
         if (tid >= 32) {
