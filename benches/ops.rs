@@ -1265,6 +1265,28 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 },
             )?;
         }
+        if gpu && d <= 128 {
+            // The Hopper forward zeroing the backward's dq accumulator (the default) against the
+            // backward zeroing it itself (`dq_in_forward: Some(false)`: less memory held).
+            let in_backward = candle_fastops::AttentionOptions {
+                scale: Some(scale),
+                dq_in_forward: Some(false),
+                ..Default::default()
+            };
+            b.compare(
+                OP,
+                &format!("{case} fwd+bwd vs dq zeroed in the backward"),
+                dtype,
+                Work::Flops(3.5 * flops),
+                ours,
+                "dq_in_forward: Some(false)",
+                || {
+                    candle_fastops::masked_attention_with(&qv, &kv, &vv, &mask, &in_backward)?
+                        .backward()
+                        .map(drop)
+                },
+            )?;
+        }
         // The forward with its log-sum-exp and the backward as a function, from an output
         // gradient made beforehand (as the PyTorch anchors' `backward(grad)`): the same kernels
         // without candle's autograd bookkeeping (the seed, and a zero tensor and an add for each
