@@ -1243,45 +1243,47 @@ fn bench_attention(b: &mut Bench) -> Result<()> {
                 "- (the composite's backward does not fit)",
             )?;
         }
-        if gpu && d == 128 {
-            // The default backward (dq added with atomics in the dk / dv pass, head dim 128
-            // only) against the deterministic one (a dq pass of its own).
-            let deterministic = candle_fastops::AttentionOptions {
-                scale: Some(scale),
-                deterministic: Some(true),
-                ..Default::default()
-            };
-            b.compare(
-                OP,
-                &format!("{case} fwd+bwd vs deterministic"),
-                dtype,
-                Work::Flops(3.5 * flops),
-                ours,
+        // The default backward against two others: the deterministic one (a dq pass of its own;
+        // the default adds dq with atomics, head dim 128 here) and the one that zeroes its own dq
+        // accumulator (`dq_in_forward: Some(false)`; by default the Hopper forward, up to head
+        // dim 128, zeroes it, holding it until the backward).
+        let deterministic = candle_fastops::AttentionOptions {
+            scale: Some(scale),
+            deterministic: Some(true),
+            ..Default::default()
+        };
+        let dq_in_backward = candle_fastops::AttentionOptions {
+            scale: Some(scale),
+            dq_in_forward: Some(false),
+            ..Default::default()
+        };
+        let variants = [
+            (
+                d == 128,
+                "deterministic",
                 "deterministic backward",
-                || {
-                    candle_fastops::masked_attention_with(&qv, &kv, &vv, &mask, &deterministic)?
-                        .backward()
-                        .map(drop)
-                },
-            )?;
-        }
-        if gpu && d <= 128 {
-            // The Hopper forward zeroing the backward's dq accumulator (the default) against the
-            // backward zeroing it itself (`dq_in_forward: Some(false)`: less memory held).
-            let in_backward = candle_fastops::AttentionOptions {
-                scale: Some(scale),
-                dq_in_forward: Some(false),
-                ..Default::default()
-            };
+                deterministic,
+            ),
+            (
+                d <= 128,
+                "dq zeroed in the backward",
+                "dq_in_forward: Some(false)",
+                dq_in_backward,
+            ),
+        ];
+        for (wanted, name, what, options) in variants {
+            if !(gpu && wanted) {
+                continue;
+            }
             b.compare(
                 OP,
-                &format!("{case} fwd+bwd vs dq zeroed in the backward"),
+                &format!("{case} fwd+bwd vs {name}"),
                 dtype,
                 Work::Flops(3.5 * flops),
                 ours,
-                "dq_in_forward: Some(false)",
+                what,
                 || {
-                    candle_fastops::masked_attention_with(&qv, &kv, &vv, &mask, &in_backward)?
+                    candle_fastops::masked_attention_with(&qv, &kv, &vv, &mask, &options)?
                         .backward()
                         .map(drop)
                 },

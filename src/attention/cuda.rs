@@ -754,7 +754,7 @@ fn check_grid(p: &Problem) -> Result<()> {
 /// forward when gradients are tracked (its producer's idle warps), by a memset otherwise.
 pub(super) type ZeroedDq = CudaSlice<f32>;
 
-/// The length of the Hopper backward's dq accumulator at `head_tile`.
+/// The length of a dq accumulator (the Hopper or the one-pass backward's) at `head_tile`.
 fn dq_accum_len(p: &Problem, head_tile: usize) -> usize {
     p.batch * p.heads * p.m.div_ceil(TILE_Q) * TILE_Q * head_tile
 }
@@ -1111,7 +1111,7 @@ fn backward_typed<T: WithDType + CudaDType + DeviceRepr>(
         if queries > 0 && keys > 0 {
             run(Pass::Delta)?;
             // dS K, summed over the key blocks in fragment order: f32, b * h * padded_m * 128, zeroed.
-            let acc = dev.alloc_zeros::<f32>(p.batch * p.heads * padded_m * ONE_PASS_HEAD_TILE)?;
+            let acc = dev.alloc_zeros::<f32>(dq_accum_len(p, ONE_PASS_HEAD_TILE))?;
             let kernel = Kernel::load_typed::<T>(
                 dev,
                 Module::Attention,

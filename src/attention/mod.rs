@@ -120,10 +120,7 @@ pub fn masked_attention_with_lse(
     q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask, options: &AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
     let (out, saved) = attention(q, k, v, mask, options)?;
-    let lse = saved
-        .lock()
-        .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
-        .clone();
+    let lse = locked(&saved)?.clone();
     let Some(lse) = lse else {
         bail!("{OP}: internal error, the forward kept no log-sum-exp");
     };
@@ -1046,21 +1043,20 @@ impl DqCarry {
 
     #[cfg(feature = "cuda")]
     fn keep(&self, dq: Option<cuda::ZeroedDq>) -> Result<()> {
-        *self
-            .zeroed
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = dq;
+        *locked(&self.zeroed)? = dq;
         Ok(())
     }
 
     #[cfg(feature = "cuda")]
     fn take(&self) -> Result<Option<cuda::ZeroedDq>> {
-        Ok(self
-            .zeroed
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
-            .take())
+        Ok(locked(&self.zeroed)?.take())
     }
+}
+
+/// The op state behind `m`, or an error when a panic poisoned it.
+fn locked<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))
 }
 
 /// A rank-4 strided view as a contiguous slice of the accumulator type: the data itself when it
@@ -1098,19 +1094,12 @@ fn gather<'a, T: CpuFloat>(data: &'a [T], layout: &Layout) -> Result<Cow<'a, [T:
 
 impl Attention {
     fn keep_lse(&self, lse: Tensor) -> Result<()> {
-        *self
-            .saved
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))? = Some(lse);
+        *locked(&self.saved)? = Some(lse);
         Ok(())
     }
 
     fn saved_lse(&self) -> Result<Tensor> {
-        let lse = self
-            .saved
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{OP}: poisoned state")))?
-            .clone();
+        let lse = locked(&self.saved)?.clone();
         match lse {
             Some(lse) => Ok(lse),
             None => bail!("{OP}: internal error, the backward found no saved log-sum-exp"),
