@@ -171,6 +171,26 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap* map, int c0, int c
         : "memory");
 }
 
+// Asks the L2 for the box at coordinates c0 .. c3 of a 4-d tensor map (no shared memory written,
+// nothing to wait for; a box past the tensor's bounds asks for nothing there).
+__device__ __forceinline__ void tma_prefetch_4d(const TensorMap* map, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(c3));
+}
+
+// Asks the L2 for `bytes` (a multiple of 16) from the 16-byte aligned global address p.
+__device__ __forceinline__ void prefetch_l2_bytes(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<uint64_t>(p)), "r"(bytes));
+}
+
+// A forward block asks the L2 for the first tiles of the block PREFETCH_AHEAD after its own, so
+// that their copies come from L2 rather than DRAM when that block starts: blocks start in index
+// order, at the documents rows about one every 0.1 us, so the one named is a few us away (long
+// enough for the prefetch to land, short enough for the lines to stay). 0: no prefetch. (The same
+// for the backward's K / V tiles made it slower: BENCHMARKS.md, session 53.)
+constexpr int PREFETCH_AHEAD = 32;
+
 // Named barriers: 0 is __syncthreads; consumer c takes its turn at the tensor cores at
 // TURN_BARRIER + c and syncs its own Q tile at Q_BARRIER + c.
 constexpr int TURN_BARRIER = 1, Q_BARRIER = 3;
@@ -194,6 +214,52 @@ __device__ __forceinline__ void zero_dq_tiles(float* __restrict__ dq_accum, cons
     float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * a.row_tiles + qt0) * (BQ * D));
     const int count = static_cast<int>(tiles) * (BQ * D / 4);
     for (int i = thread; i < count; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// Forward block `block`: batch entry b, head h (kv head hk, bh = b * heads + h), query tiles
+// qt0 .. qt0 + CONSUMERS - 1 (rows i0 .. i0 + rows - 1), the longest rows first (for causal
+// masks). At D = 128 blocks are taken head by head, so that the blocks running at once share
+// their heads' K / V in L2 (causal 8192 9% faster, window 3%); at D = 64, row block by row block
+// over every head (5% faster there: BENCHMARKS.md).
+template <int D> struct ForwardBlock {
+    int64_t b, h, hk, bh, qt0, i0, rows;
+    __device__ __forceinline__ ForwardBlock(const AttentionArgs& a, int64_t block) {
+        const int64_t heads_total = a.batch * a.heads, row_blocks = (a.row_tiles + CONSUMERS - 1) / CONSUMERS;
+        const int64_t rank = D == 128 ? block % row_blocks : block / heads_total;
+        qt0 = (row_blocks - 1 - rank) * CONSUMERS;
+        bh = D == 128 ? block / row_blocks : block % heads_total;
+        b = bh / a.heads;
+        h = bh % a.heads;
+        hk = h / (a.heads / a.kv_heads);
+        i0 = qt0 * BQ;
+        rows = min(static_cast<int64_t>(BQ * CONSUMERS), a.m - i0);
+    }
+};
+
+// Asks the L2 for what forward block `block` copies first: its Q rows (row by row, `threads`
+// threads from `thread` 0) and, for generated masks, the K / V tiles of its first two key tiles.
+template <typename T, int D, int MASKS>
+__device__ __forceinline__ void prefetch_forward_block(const T* __restrict__ q, const TensorMap* k_map,
+                                                       const TensorMap* v_map, const uint8_t* states,
+                                                       const uint8_t* dense, const int64_t* ids,
+                                                       const AttentionArgs& a, int64_t block, int thread, int threads) {
+    const ForwardBlock<D> at(a, block);
+    const T* rows = q + at.b * a.q_strides[0] + at.h * a.q_strides[1] + at.i0 * a.q_strides[2];
+    for (int r = thread; r < at.rows; r += threads)
+        prefetch_l2_bytes(rows + r * a.q_strides[2], static_cast<uint32_t>(a.d * sizeof(T)));
+    if constexpr (MASKS != STORED) {
+        if (thread != 0) return;
+        const KernelMask<MASKS> mask{{a, states, dense, ids, at.b}};
+        int64_t first, last;
+        mask.key_tiles(at.i0, at.i0 + at.rows - 1, first, last);
+        for (int64_t kt = first; kt <= min(last, first + 1); ++kt)
+#pragma unroll
+            for (int half = 0; half < D / 64; ++half) {
+                const int row = static_cast<int>(kt * BK), head = static_cast<int>(at.hk), entry = static_cast<int>(at.b);
+                tma_prefetch_4d(k_map, 64 * half, row, head, entry);
+                tma_prefetch_4d(v_map, 64 * half, row, head, entry);
+            }
+    }
 }
 
 // The warp-specialised forward. Warpgroup 0 produces (one thread of it): it streams the K / V
@@ -223,19 +289,11 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
     // descriptors, then stays in uniform registers.)
     const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0), tid = threadIdx.x % 128;
 
-    // The block: batch entry b, head h, query tiles qt0 .. qt0 + CONSUMERS - 1, the longest rows
-    // first (for causal masks). At D = 128 blocks are taken head by head, so that the blocks
-    // running at once share their heads' K / V in L2 (causal 8192 9% faster, window 3%); at
-    // D = 64, row block by row block over every head (5% faster there: BENCHMARKS.md).
-    const int64_t heads_total = a.batch * a.heads, block = blockIdx.x;
-    const int64_t row_blocks = (a.row_tiles + CONSUMERS - 1) / CONSUMERS;
-    const int64_t rank = D == 128 ? block % row_blocks : block / heads_total;
-    const int64_t qt0 = (row_blocks - 1 - rank) * CONSUMERS;
-    const int64_t bh = D == 128 ? block / row_blocks : block % heads_total;
-    const int64_t b = bh / a.heads, h = bh % a.heads, hk = h / (a.heads / a.kv_heads);
+    const int64_t block = blockIdx.x;
+    const ForwardBlock<D> at(a, block);
+    const int64_t b = at.b, h = at.h, hk = at.hk, bh = at.bh, qt0 = at.qt0, i0 = at.i0, block_rows = at.rows;
     constexpr bool GENERATED = MASKS != STORED;
     const KernelMask<MASKS> mask{{a, states, dense, ids, b}};
-    const int64_t i0 = qt0 * BQ, block_rows = min(static_cast<int64_t>(BQ * CONSUMERS), a.m - i0);
     int64_t kt_first = 0, kt_last = a.col_tiles - 1;
     if constexpr (GENERATED) mask.key_tiles(i0, i0 + block_rows - 1, kt_first, kt_last);
     // The first key tile after kt that any query tile of the block sees (col_tiles when none);
@@ -269,8 +327,12 @@ __device__ __forceinline__ void forward_ws(const T* __restrict__ q, const Tensor
         // (with stored masks the warpgroup gives registers to the consumers first).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
         if (tid >= 32) {
-            // Warps 1 .. 3 zero the backward's dq accumulator rows of the block (when the host
-            // asks: gradients tracked), off the consumers' path.
+            // Warps 1 .. 3 ask the L2 for the first tiles of the block PREFETCH_AHEAD later, then
+            // zero the backward's dq accumulator rows of the block (when the host asks: gradients
+            // tracked), off the consumers' path.
+            if (PREFETCH_AHEAD > 0 && block + PREFETCH_AHEAD < gridDim.x)
+                prefetch_forward_block<T, D, MASKS>(q, k_map, v_map, states, dense, ids, a, block + PREFETCH_AHEAD,
+                                                    tid - 32, 96);
             if (dq_zero != nullptr) zero_dq_tiles<D>(dq_zero, a, bh, qt0, tid - 32, 96);
             return;
         }
