@@ -57,17 +57,8 @@ fn values(vars: &[Var]) -> Result<Vec<Vec<f64>>> {
     vars.iter().map(|v| to_f64(v.as_tensor())).collect()
 }
 
-/// Per tensor, the largest magnitude any of its elements has held so far, at least `floor`.
-/// Rounding a parameter costs an ulp of its value at the time, and that error stays when the
-/// parameter later moves towards zero; the tolerance scales with this path maximum. The floor
-/// is the learning rate, the size of one update.
-fn grow_scales(scales: &mut Vec<f64>, values: &[Vec<f64>], floor: f64) {
-    scales.resize(values.len(), floor);
-    for (s, x) in scales.iter_mut().zip(values) {
-        *s = x.iter().fold(s.max(floor), |m, v| m.max(v.abs()));
-    }
-}
-
+/// Agreement within `tol` times each tensor's path maximum ([`grow_path_max`], at least the
+/// learning rate, the size of one update).
 fn close(a: &[Vec<f64>], b: &[Vec<f64>], scales: &[f64], tol: f64, what: &str) {
     for (i, ((x, y), scale)) in a.iter().zip(b).zip(scales).enumerate() {
         for (j, (p, q)) in x.iter().zip(y).enumerate() {
@@ -89,13 +80,13 @@ fn f32_matches_candle_nn_adamw() {
         let mut ours = AdamW::new(ours_vars.clone(), params())?;
         let mut theirs = candle_nn::AdamW::new(theirs_vars.clone(), params())?;
         let mut scales = Vec::new();
-        grow_scales(&mut scales, &values(&ours_vars)?, params().lr);
+        grow_path_max(&mut scales, &values(&ours_vars)?, params().lr);
         for step in 0..6 {
             ours.step(&grads(&ours_vars, step, salt)?)?;
             theirs.step(&grads(&theirs_vars, step, salt)?)?;
             let (a, b) = (values(&ours_vars)?, values(&theirs_vars)?);
-            grow_scales(&mut scales, &a, params().lr);
-            grow_scales(&mut scales, &b, params().lr);
+            grow_path_max(&mut scales, &a, params().lr);
+            grow_path_max(&mut scales, &b, params().lr);
             close(&a, &b, &scales, 2e-5, &format!("step {step}"));
         }
         assert_eq!(to_f64(ours_vars.last().unwrap().as_tensor())?, untouched);
@@ -136,7 +127,7 @@ fn every_dtype_matches_an_f64_reference() {
             let vs = vars(dev, dtype, salt)?;
             let init = values(&vs)?;
             let mut scales = Vec::new();
-            grow_scales(&mut scales, &init, params().lr);
+            grow_path_max(&mut scales, &init, params().lr);
             let mut opt = AdamW::new(vs.clone(), params())?;
             let mut all_grads = Vec::new();
             for step in 0..4 {
@@ -150,7 +141,7 @@ fn every_dtype_matches_an_f64_reference() {
                         .collect::<Result<Vec<_>>>()?,
                 );
                 opt.step(&g)?;
-                grow_scales(&mut scales, &values(&vs)?, params().lr);
+                grow_path_max(&mut scales, &values(&vs)?, params().lr);
             }
             // The variable without gradients: the reference must skip it too.
             let n = vs.len() - 1;
@@ -169,7 +160,7 @@ fn every_dtype_matches_an_f64_reference() {
                 // A rounding to the dtype may land one step away from the reference's.
                 _ => 2.0 * tolerance(dtype),
             };
-            grow_scales(&mut scales, &want, params().lr);
+            grow_path_max(&mut scales, &want, params().lr);
             close(
                 &values(&vs)?[..n],
                 &want,

@@ -119,6 +119,17 @@ pub fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
         .to_vec1::<f64>()
 }
 
+/// Grows `path_max[i]` to the largest magnitude any element of `values[i]` has held (new entries
+/// start at `floor`). Optimizer comparisons scale their tolerance by it: rounding a parameter
+/// costs an ulp of its value at the time, an error that stays when later steps carry the value
+/// towards zero.
+pub fn grow_path_max(path_max: &mut Vec<f64>, values: &[Vec<f64>], floor: f64) {
+    path_max.resize(values.len(), floor);
+    for (m, x) in path_max.iter_mut().zip(values) {
+        *m = x.iter().fold(m.max(floor), |m, v| m.max(v.abs()));
+    }
+}
+
 /// Relative tolerance of one rounding to `dtype`, with some slack.
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {

@@ -381,16 +381,13 @@ fn check_fused_against_composed(
     params.backend.fused = false;
     let mut composed = SmallFcLOpt::new(composed_vars.clone(), params)?;
     let mut worst = 0f64;
-    // Per variable, the largest magnitude any of its elements has held.
-    let mut path_max: Vec<f64> = vec![0.0; composed_vars.len()];
+    let values = |vars: &[Var]| -> Result<Vec<Vec<f64>>> {
+        vars.iter().map(|v| to_f64(v.as_tensor())).collect()
+    };
+    let mut path_max = Vec::new();
     for step in 0..steps {
-        let before: Vec<Vec<f64>> = composed_vars
-            .iter()
-            .map(|c| to_f64(c.as_tensor()))
-            .collect::<Result<_>>()?;
-        for (m, b) in path_max.iter_mut().zip(&before) {
-            *m = b.iter().fold(*m, |m, x| m.max(x.abs()));
-        }
+        let before = values(&composed_vars)?;
+        grow_path_max(&mut path_max, &before, 1e-12);
         fused.step(&structured_grads(
             &fused_vars,
             dev,
@@ -403,24 +400,22 @@ fn check_fused_against_composed(
             200 + step * 1000,
             frozen,
         )?)?;
-        for (i, ((f, c), before)) in fused_vars
+        let (fused_after, composed_after) = (values(&fused_vars)?, values(&composed_vars)?);
+        grow_path_max(&mut path_max, &composed_after, 1e-12);
+        for (i, (((f, a), e), before)) in fused_vars
             .iter()
-            .zip(&composed_vars)
+            .zip(&fused_after)
+            .zip(&composed_after)
             .zip(&before)
             .enumerate()
         {
-            let (a, e) = (to_f64(f.as_tensor())?, to_f64(c.as_tensor())?);
             if frozen.contains(&i) {
-                assert_eq!(&a, before, "variable {i} has no gradient but moved");
-                assert_eq!(&e, before);
+                assert_eq!(a, before, "variable {i} has no gradient but moved");
+                assert_eq!(e, before);
                 continue;
             }
-            path_max[i] = e.iter().fold(path_max[i], |m, x| m.max(x.abs()));
-            let scale = path_max[i].max(1e-12);
-            let diff = a
-                .iter()
-                .zip(&e)
-                .fold(0f64, |m, (a, e)| m.max((a - e).abs()));
+            let scale = path_max[i];
+            let diff = a.iter().zip(e).fold(0f64, |m, (a, e)| m.max((a - e).abs()));
             let err = diff / scale;
             let allowed = match f.dtype() {
                 DType::F32 => {
