@@ -62,8 +62,9 @@ impl Bench {
 
     /// Whether a case of a section that honours `FASTOPS_BENCH_CASES` runs: that variable (when
     /// set) is a comma-separated list of substrings, one of which the case's name must contain,
-    /// or, written `^prefix`, begin with (for A/B jobs; masked_attention honours it, and
-    /// masked_bmm with its case and dtype, as `causal b=64 m=n=2048 k=64 f32`).
+    /// or, written `^prefix`, begin with (for A/B jobs; masked_attention honours it, masked_bmm
+    /// with its case and dtype, as `causal b=64 m=n=2048 k=64 f32`, and small_fc_lopt with its
+    /// set's name, as `152M/97 step (fused)` or `gpt2-medium 354M/289 AdamW`).
     fn wants_case(&self, case: &str) -> bool {
         match std::env::var("FASTOPS_BENCH_CASES") {
             Ok(list) => list
@@ -820,6 +821,9 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
             &[("fused", true, false)]
         };
         for &(mode, tensor_cores, deterministic) in modes {
+            if !b.wants_case(&format!("{name} step ({mode})")) {
+                continue;
+            }
             let mut params = ParamsSmallFcLOpt::new(mlp.clone());
             params.backend.tensor_cores = tensor_cores;
             params.backend.deterministic = Some(deterministic);
@@ -837,7 +841,7 @@ fn bench_small_fc_lopt(b: &mut Bench) -> Result<()> {
         }
         // The crate's fused AdamW against candle_nn's on the same parameters (PyTorch's fused
         // AdamW is the anchor of the GPT-2-medium row: "354M/289 AdamW").
-        {
+        if b.wants_case(&format!("{name} AdamW")) {
             let mut fused = candle_fastops::optim::AdamW::new(
                 vars.clone(),
                 candle_nn::ParamsAdamW {

@@ -118,6 +118,14 @@ if [ -e "$work/test-ops" ] && [ "${KERNEL_PASSES:-1}" != 0 ]; then
         >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: matmul tests (portable)"; }
     grep -E '^test result' "$out/tests.log" | tail -n 1
 fi
+# The small_fc_lopt tests through the portable update kernel too (on compute capability 9.0 the
+# update pass takes src/cuda/sm90/small_fc_lopt.cu by default).
+if [ -e "$work/test-ops" ] && [ "${KERNEL_PASSES:-1}" != 0 ]; then
+    echo "=== test-ops small_fc_lopt (CANDLE_FASTOPS_LOPT_KERNELS=portable)" | tee -a "$out/tests.log"
+    (cd "$here/../.." && CANDLE_FASTOPS_LOPT_KERNELS=portable "$work/test-ops" small_fc_lopt --test-threads=1) \
+        >> "$out/tests.log" 2>&1 || { status=1; echo "FAILED: small_fc_lopt tests (portable)"; }
+    grep -E '^test result' "$out/tests.log" | tail -n 1
+fi
 # The > 2^31-element tests (ignored by default: ~60 GB of GPU memory); SCALE=0 skips them.
 if [ -e "$work/test-ops" ] && [ "${SCALE:-1}" != 0 ]; then
     echo "=== test-ops --ignored scale::" | tee -a "$out/tests.log"

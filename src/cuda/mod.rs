@@ -40,6 +40,9 @@ pub(crate) enum Module {
     /// `src/cuda/sm90/span.cu`: the Hopper grad_a product of the masked_bmm backward, loadable
     /// on compute capability 9.0 only ([`is_hopper`]).
     SpanSm90,
+    /// `src/cuda/sm90/small_fc_lopt.cu`: small_fc_lopt's update pass on wgmma, loadable on
+    /// compute capability 9.0 only ([`is_hopper`]).
+    SmallFcLOptSm90,
 }
 
 impl Module {
@@ -56,6 +59,7 @@ impl Module {
             Module::AttentionSm90 => "candle_fastops_attention_sm90",
             Module::ArgminSm90 => "candle_fastops_argmin_sm90",
             Module::SpanSm90 => "candle_fastops_span_sm90",
+            Module::SmallFcLOptSm90 => "candle_fastops_small_fc_lopt_sm90",
         }
     }
 
@@ -72,6 +76,7 @@ impl Module {
             Module::AttentionSm90 => entries::SM90_ATTENTION,
             Module::ArgminSm90 => entries::SM90_ARGMIN,
             Module::SpanSm90 => entries::SM90_SPAN,
+            Module::SmallFcLOptSm90 => entries::SM90_SMALL_FC_LOPT,
         }
     }
 
@@ -88,6 +93,7 @@ impl Module {
             Module::AttentionSm90 => ptx::SM90_ATTENTION,
             Module::ArgminSm90 => ptx::SM90_ARGMIN,
             Module::SpanSm90 => ptx::SM90_SPAN,
+            Module::SmallFcLOptSm90 => ptx::SM90_SMALL_FC_LOPT,
         }
     }
 }
@@ -261,7 +267,8 @@ pub(crate) fn max_shared_per_block(dev: &CudaDevice) -> Result<usize> {
 }
 
 /// Whether the device is compute capability 9.0 (H100, H200), the one GPU the `compute_90a` PTX
-/// of [`Module::AttentionSm90`], [`Module::ArgminSm90`] and [`Module::SpanSm90`] loads on.
+/// of [`Module::AttentionSm90`], [`Module::ArgminSm90`], [`Module::SpanSm90`] and
+/// [`Module::SmallFcLOptSm90`] loads on.
 pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     use driver::sys::CUdevice_attribute::{
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,

@@ -239,6 +239,38 @@ const FIXED_LOCKED: usize = Locked::Mlp as usize + 1;
 
 /// The blocks of `lopt_square_sums_ordered` for a matrix: its row sums, then its column sums,
 /// 8 sums per block over a contiguous axis (a warp each), 32 over a strided one.
+/// The update pass's kernel. The tensor-core MLP splits the f16 operands of both layers (tuning
+/// builds may choose fewer: `FASTOPS_LOPT_SPLIT`, bit 1 the input layer, bit 0 the hidden
+/// layer); with both split, on compute capability 9.0, its products run on wgmma
+/// (`lopt_update_wgmma`, `src/cuda/sm90/small_fc_lopt.cu`, the same contract) unless
+/// `CANDLE_FASTOPS_LOPT_KERNELS=portable` (read once per process; the test suite runs both).
+fn update_kernel(dev: &candle_core::CudaDevice, backend: Backend) -> Result<Kernel> {
+    if !backend.tensor_cores {
+        return Kernel::load(dev, Module::SmallFcLOpt, &["lopt_update_fma"]);
+    }
+    static HOPPER_CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let hopper_chosen = *HOPPER_CHOSEN
+        .get_or_init(|| std::env::var("CANDLE_FASTOPS_LOPT_KERNELS").as_deref() != Ok("portable"));
+    let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3) & 3;
+    // Tuning builds: FASTOPS_LOPT_WGMMA=0 the portable kernel, 2..4 the wgmma variants of
+    // src/cuda/sm90/small_fc_lopt.cu.
+    let wgmma = crate::cuda::tuning("FASTOPS_LOPT_WGMMA").unwrap_or(1);
+    if split == 3 && hopper_chosen && wgmma != 0 && crate::cuda::is_hopper(dev)? {
+        let name = match wgmma {
+            2 => "lopt_update_wgmma_pipelined",
+            3 => "lopt_update_wgmma_folded",
+            4 => "lopt_update_wgmma_pipelined_folded",
+            _ => "lopt_update_wgmma",
+        };
+        return Kernel::load(dev, Module::SmallFcLOptSm90, &[name]);
+    }
+    Kernel::load(
+        dev,
+        Module::SmallFcLOpt,
+        &["lopt_update_mma", ["00", "01", "10", "11"][split as usize]],
+    )
+}
+
 fn ordered_sum_blocks(meta: &LoptMeta) -> usize {
     let blocks = |count: u64, inner: &Divisor| {
         let per_block = if inner.d == 1 { THREADS / 32 } else { 32 };
@@ -514,15 +546,7 @@ impl DeviceState {
             Kernel::load(dev, Module::SmallFcLOpt, &["lopt_square_sums_ordered"])?;
         let chunk_sums_kernel = Kernel::load(dev, Module::SmallFcLOpt, &["lopt_chunk_sums"])?;
         let deterministic = backend.deterministic as u32;
-        let update_name: &[&str] = if backend.tensor_cores {
-            // Which layers split their f16 operands (bit 1: input layer, bit 0: hidden layer);
-            // both by default, other choices for accuracy / speed studies.
-            let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3) & 3;
-            &["lopt_update_mma", ["00", "01", "10", "11"][split as usize]]
-        } else {
-            &["lopt_update_fma"]
-        };
-        let update = Kernel::load(dev, Module::SmallFcLOpt, update_name)?;
+        let update = update_kernel(dev, backend)?;
         // Grid caps (resident blocks of each kernel), queried once per step.
         let sms = crate::cuda::sm_count(dev)?;
         let cap = |kernel: &Kernel| -> Result<u32> {
