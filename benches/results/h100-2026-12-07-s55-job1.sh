@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 55 job 1: small_fc_lopt's update pass on wgmma. OUT=DIR bash target/s55/job1.sh
+# Session 55 job 1: small_fc_lopt's update pass on wgmma. OUT=DIR bash benches/results/h100-2026-12-07-s55-job1.sh
 # (the carried target/gpu-bundle: test-ops and bench-ops of the change, default features;
 # target/s55/bench-tuning.xz: the same with `tuning`, FASTOPS_LOPT_WGMMA choosing the kernel).
 set -u

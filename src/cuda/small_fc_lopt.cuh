@@ -375,34 +375,14 @@ __device__ __forceinline__ void features_to_a(__half (*tile)[TILE_STRIDE], const
 
 // relu of the first layer's accumulators as the second layer's A fragments: n tiles 2 kt and
 // 2 kt + 1 are k tile kt's columns 0..7 and 8..15.
-// hi and lo halves of (relu(a), relu(b)) with the ReLU folded into the conversions: hi rounded
-// toward zero, so that the residual of a non-negative value is non-negative too, lo rounded to
-// nearest; a negative value gives hi = 0 and a negative residual, so lo = 0; NaN stays NaN. The
-// pair carries a value to within 2^-21 of it (against split_half2's 2^-22).
-__device__ __forceinline__ Split2 split_relu_half2(float a, float b) {
-    uint32_t hi, lo;
-    asm("cvt.rz.relu.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(b), "f"(a));
-    const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-    asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(b - back.y), "f"(a - back.x));
-    return {hi, lo};
-}
-
-template <bool FOLDED = false>
 __device__ __forceinline__ void relu_to_a(const float (&acc)[4][4], SplitA& a) {
-    auto split = [](float x, float y) {
-        if constexpr (FOLDED) {
-            return split_relu_half2(x, y);
-        } else {
-            return split_half2(relu_keep_nan(x), relu_keep_nan(y));
-        }
-    };
 #pragma unroll
     for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float(&c)[4] = acc[2 * kt + h];
-            const Split2 top = split(c[0], c[1]);
-            const Split2 bottom = split(c[2], c[3]);
+            const Split2 top = split_half2(relu_keep_nan(c[0]), relu_keep_nan(c[1]));
+            const Split2 bottom = split_half2(relu_keep_nan(c[2]), relu_keep_nan(c[3]));
             a.hi[kt][2 * h] = top.hi;
             a.lo[kt][2 * h] = top.lo;
             a.hi[kt][2 * h + 1] = bottom.hi;

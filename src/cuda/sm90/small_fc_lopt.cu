@@ -89,10 +89,9 @@ __device__ __forceinline__ void layer_products(float (&acc)[4][4], const SplitA&
 }
 
 // The warpgroup's 128 elements (each lane its own, x already normalised; copies for idle lanes)
-// through the MLP; each lane gets its element's direction and magnitude. PIPELINED: the two
-// tiles' products in separate commit groups, so that one tile's ReLU and split run while the
-// other's products do. FOLDED: the hidden layer's ReLU folded into its split (split_relu_half2).
-template <bool PIPELINED, bool FOLDED = false>
+// through the MLP; each lane gets its element's direction and magnitude. (Issuing the two tiles'
+// products in separate commit groups, so that one tile's ReLU and split overlap the other's
+// products, measured no faster: BENCHMARKS.md, small_fc_lopt, session 55.)
 struct WgmmaMlp {
     static constexpr uint32_t WARPS_TOGETHER = 4;
     const WgmmaWeights& w;        // in shared memory
@@ -106,54 +105,21 @@ struct WgmmaMlp {
         SplitA a[2];
         features_to_a<true>(tile, x, a);
         float acc[2][4][4] = {};  // the first layer's bias rides in the constant slot
-        const uint64_t in_hi = desc(0, 0), in_lo = desc(0, 1), hidden_hi = desc(1, 0), hidden_lo = desc(1, 1);
-        if constexpr (PIPELINED) {
-            fence_acc(acc[0]);
-            fence_acc(acc[1]);
-            wgmma_fence();
-            layer_products(acc[0], a[0], in_hi, in_lo);
-            wgmma_commit();
-            layer_products(acc[1], a[1], in_hi, in_lo);
-            wgmma_commit();
-            wgmma_wait<1>();
-            fence_acc(acc[0]);
-            relu_to_a<FOLDED>(acc[0], a[0]);
-            bias_to_acc(w.out, acc[0]);
-            fence_acc(acc[0]);
-            wgmma_fence();
-            layer_products(acc[0], a[0], hidden_hi, hidden_lo);
-            wgmma_commit();
-            wgmma_wait<1>();
-            fence_acc(acc[1]);
-            relu_to_a<FOLDED>(acc[1], a[1]);
-            bias_to_acc(w.out, acc[1]);
-            fence_acc(acc[1]);
-            wgmma_fence();
-            layer_products(acc[1], a[1], hidden_hi, hidden_lo);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc(acc[0]);
-            fence_acc(acc[1]);
-        } else {
-            fence_acc(acc[0]);
-            fence_acc(acc[1]);
-            wgmma_fence();
-            layer_products(acc[0], a[0], in_hi, in_lo);
-            layer_products(acc[1], a[1], in_hi, in_lo);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc(acc[0]);
-            fence_acc(acc[1]);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                relu_to_a<FOLDED>(acc[mt], a[mt]);
-                bias_to_acc(w.out, acc[mt]);
+        for (int layer = 0; layer < 2; ++layer) {
+            if (layer == 1) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    relu_to_a(acc[mt], a[mt]);
+                    bias_to_acc(w.out, acc[mt]);
+                }
             }
             fence_acc(acc[0]);
             fence_acc(acc[1]);
             wgmma_fence();
-            layer_products(acc[0], a[0], hidden_hi, hidden_lo);
-            layer_products(acc[1], a[1], hidden_hi, hidden_lo);
+            const uint64_t hi = desc(layer, 0), lo = desc(layer, 1);
+            layer_products(acc[0], a[0], hi, lo);
+            layer_products(acc[1], a[1], hi, lo);
             wgmma_commit();
             wgmma_wait<0>();
             fence_acc(acc[0]);
@@ -163,51 +129,17 @@ struct WgmmaMlp {
     }
 };
 
-template <bool PIPELINED, bool FOLDED = false>
-__device__ __forceinline__ void update_wgmma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
-                                             uint32_t n_chunks, uint32_t first, const StepTensors& ptrs,
-                                             const Buffers& buf, const float* __restrict__ mlp, const Hyper& h) {
-    __shared__ float norm[FEATURES];
-    __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];
-    __shared__ WgmmaWeights weights;
-    __shared__ ChunkStreams streams;
-    weights.fill(mlp);
-    const WgmmaMlp<PIPELINED, FOLDED> eval{weights, tiles[threadIdx.x >> 5]};
-    update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);
-}
-
 }  // namespace
 
 // The update pass with both layers split (lopt_update_mma_11's contract), on wgmma.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_wgmma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
                       uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
-    update_wgmma<false>(meta, chunks, n_chunks, first, ptrs, buf, mlp, h);
+    __shared__ float norm[FEATURES];
+    __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];
+    __shared__ WgmmaWeights weights;
+    __shared__ ChunkStreams streams;
+    weights.fill(mlp);
+    const WgmmaMlp eval{weights, tiles[threadIdx.x >> 5]};
+    update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);
 }
-
-#ifdef FASTOPS_TUNING
-// Speed studies only (`--features tuning`, FASTOPS_LOPT_WGMMA=2): the two tiles' products in
-// separate commit groups.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
-    lopt_update_wgmma_pipelined(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
-                                uint32_t n_chunks, uint32_t first, StepTensors ptrs, Buffers buf,
-                                const float* __restrict__ mlp, Hyper h) {
-    update_wgmma<true>(meta, chunks, n_chunks, first, ptrs, buf, mlp, h);
-}
-
-// FASTOPS_LOPT_WGMMA=3: the hidden layer's ReLU folded into its split.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
-    lopt_update_wgmma_folded(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
-                             uint32_t n_chunks, uint32_t first, StepTensors ptrs, Buffers buf,
-                             const float* __restrict__ mlp, Hyper h) {
-    update_wgmma<false, true>(meta, chunks, n_chunks, first, ptrs, buf, mlp, h);
-}
-
-// FASTOPS_LOPT_WGMMA=4: both.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
-    lopt_update_wgmma_pipelined_folded(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
-                                       uint32_t n_chunks, uint32_t first, StepTensors ptrs, Buffers buf,
-                                       const float* __restrict__ mlp, Hyper h) {
-    update_wgmma<true, true>(meta, chunks, n_chunks, first, ptrs, buf, mlp, h);
-}
-#endif
