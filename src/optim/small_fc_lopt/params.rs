@@ -62,7 +62,10 @@ pub struct LOptBackend {
     /// CUDA, fused path: evaluate the MLP's two 32-wide layers on f16 tensor cores (default)
     /// instead of f32 FMAs. Every operand is split into two f16 halves and the three significant
     /// products are accumulated in f32, so the result stays within 1e-4 of the golden vectors
-    /// (f32 arithmetic). Ignored on the CPU, which always uses f32.
+    /// (f32 arithmetic). On compute capability 9.0 (H100, H200) the products run on Hopper's
+    /// `wgmma`, the same split products in the same order (the environment variable
+    /// `CANDLE_FASTOPS_LOPT_KERNELS=portable`, read once per process, keeps the `mma.sync`
+    /// kernel every other GPU runs). Ignored on the CPU, which always uses f32.
     pub tensor_cores: bool,
     /// CUDA, fused path: `Some(true)` makes every step bit-reproducible (the per-tensor sums are
     /// taken in a fixed order instead of with float atomics; slower, see BENCHMARKS.md);
