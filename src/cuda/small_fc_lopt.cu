@@ -539,7 +539,7 @@ struct MmaWeights {
         for (int i = threadIdx.x; i < 2 * 2 * 4 * 32; i += blockDim.x) {
             const int lane = i & 31, nt = (i >> 5) & 3, kt = (i >> 7) & 1, layer = i >> 8;
             const int g = lane >> 2, t = lane & 3, k = kt * 16 + 2 * t, n = nt * 8 + g;
-            auto at = [&](int kk) { return layer == 0 ? w_in_at(mlp, kk, n) : w_1_at(mlp, kk, n); };
+            auto at = [&](int kk) { return weight_at(mlp, layer, kk, n); };
             const Split2 first = split_half2(at(k), at(k + 1)), second = split_half2(at(k + 8), at(k + 9));
             frag[layer][kt][nt][lane] = make_uint4(first.hi, second.hi, first.lo, second.lo);
         }

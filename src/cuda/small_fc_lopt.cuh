@@ -330,12 +330,12 @@ struct OutputWeights {
     }
 };
 
-// The first layer's weights at (k, n) of its 32 x 32 operand: the 28 feature columns, the bias in
-// the constant slot, zeros; the second layer's at (k, n).
-__device__ __forceinline__ float w_in_at(const float* __restrict__ mlp, int k, int n) {
+// Layer `layer`'s weight at (k, n) of its 32 x 32 operand: the first layer's 28 feature columns,
+// its bias in the constant slot, zeros; the second layer's weights.
+__device__ __forceinline__ float weight_at(const float* __restrict__ mlp, int layer, int k, int n) {
+    if (layer == 1) return mlp[W_1 + n * HIDDEN + k];
     return k < FEATURES ? mlp[W_IN + n * FEATURES + k] : k == BIAS_SLOT ? mlp[B_EFF + n] : 0.0f;
 }
-__device__ __forceinline__ float w_1_at(const float* __restrict__ mlp, int k, int n) { return mlp[W_1 + n * HIDDEN + k]; }
 
 // The warp's 32 elements (lane = element, x already normalised) as the first layer's A fragments
 // of two 16-row tiles: each lane writes its element's split row to the warp's `tile`, then

@@ -39,9 +39,7 @@ struct WgmmaWeights {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int k = c * 8 + 2 * j;
-                const float first = layer == 0 ? w_in_at(mlp, k, n) : w_1_at(mlp, k, n);
-                const float second = layer == 0 ? w_in_at(mlp, k + 1, n) : w_1_at(mlp, k + 1, n);
-                const Split2 v = split_half2(first, second);
+                const Split2 v = split_half2(weight_at(mlp, layer, k, n), weight_at(mlp, layer, k + 1, n));
                 hi[j] = v.hi;
                 lo[j] = v.lo;
             }

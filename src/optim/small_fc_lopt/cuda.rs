@@ -237,8 +237,6 @@ enum Locked {
 }
 const FIXED_LOCKED: usize = Locked::Mlp as usize + 1;
 
-/// The blocks of `lopt_square_sums_ordered` for a matrix: its row sums, then its column sums,
-/// 8 sums per block over a contiguous axis (a warp each), 32 over a strided one.
 /// The update pass's kernel. The tensor-core MLP splits the f16 operands of both layers (tuning
 /// builds may choose fewer: `FASTOPS_LOPT_SPLIT`, bit 1 the input layer, bit 0 the hidden
 /// layer); with both split, on compute capability 9.0, its products run on wgmma
@@ -264,6 +262,8 @@ fn update_kernel(dev: &candle_core::CudaDevice, backend: Backend) -> Result<Kern
     )
 }
 
+/// The blocks of `lopt_square_sums_ordered` for a matrix: its row sums, then its column sums,
+/// 8 sums per block over a contiguous axis (a warp each), 32 over a strided one.
 fn ordered_sum_blocks(meta: &LoptMeta) -> usize {
     let blocks = |count: u64, inner: &Divisor| {
         let per_block = if inner.d == 1 { THREADS / 32 } else { 32 };
