@@ -337,10 +337,11 @@ __device__ __forceinline__ float weight_at(const float* __restrict__ mlp, int la
     return k < FEATURES ? mlp[W_IN + n * FEATURES + k] : k == BIAS_SLOT ? mlp[B_EFF + n] : 0.0f;
 }
 
-// The warp's 32 elements (lane = element, x already normalised) as split feature rows in `tile`,
-// for `tile_to_a`. With SPLIT_IN false only the hi parts are written.
+// The warp's 32 elements (lane = element, x already normalised) as the first layer's A fragments
+// of two 16-row tiles: each lane writes its element's split row to the warp's `tile`, then
+// ldmatrix reads the fragments back. With SPLIT_IN false only the hi parts are written and read.
 template <bool SPLIT_IN>
-__device__ __forceinline__ void features_to_tile(__half (*tile)[TILE_STRIDE], const float (&x)[FEATURES]) {
+__device__ __forceinline__ void features_to_a(__half (*tile)[TILE_STRIDE], const float (&x)[FEATURES], SplitA (&a)[2]) {
     const int lane = threadIdx.x & 31;
     __syncwarp();  // the previous iteration's ldmatrix reads are done
     uint4* row = reinterpret_cast<uint4*>(tile[lane]);
@@ -360,27 +361,16 @@ __device__ __forceinline__ void features_to_tile(__half (*tile)[TILE_STRIDE], co
         if (SPLIT_IN) row[4 + q] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
     __syncwarp();
-}
-
-// The first layer's A fragments of 16-row tile `mt` (elements 16 mt .. 16 mt + 15 of the warp)
-// from the rows `features_to_tile` wrote. With SPLIT_IN false only the hi parts are read.
-template <bool SPLIT_IN>
-__device__ __forceinline__ void tile_to_a(__half (*tile)[TILE_STRIDE], int mt, SplitA& a) {
-    const int lane = threadIdx.x & 31, m = lane >> 3;
-    const __half* src = tile[mt * 16 + (m & 1) * 8 + (lane & 7)] + (m >> 1) * 8;
+    const int m = lane >> 3;
 #pragma unroll
-    for (int kt = 0; kt < 2; ++kt) {
-        fastops::ldmatrix_x4<false>(a.hi[kt], fastops::shared_address(src + kt * 16));
-        if (SPLIT_IN) fastops::ldmatrix_x4<false>(a.lo[kt], fastops::shared_address(src + 32 + kt * 16));
+    for (int mt = 0; mt < 2; ++mt) {
+        const __half* src = tile[mt * 16 + (m & 1) * 8 + (lane & 7)] + (m >> 1) * 8;
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) {
+            fastops::ldmatrix_x4<false>(a[mt].hi[kt], fastops::shared_address(src + kt * 16));
+            if (SPLIT_IN) fastops::ldmatrix_x4<false>(a[mt].lo[kt], fastops::shared_address(src + 32 + kt * 16));
+        }
     }
-}
-
-// Both 16-row tiles' A fragments of the warp's 32 elements.
-template <bool SPLIT_IN>
-__device__ __forceinline__ void features_to_a(__half (*tile)[TILE_STRIDE], const float (&x)[FEATURES], SplitA (&a)[2]) {
-    features_to_tile<SPLIT_IN>(tile, x);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) tile_to_a<SPLIT_IN>(tile, mt, a[mt]);
 }
 
 // relu of the first layer's accumulators as the second layer's A fragments: n tiles 2 kt and
@@ -413,53 +403,51 @@ __device__ __forceinline__ void bias_to_acc(const OutputWeights& w, float (&acc)
     }
 }
 
-// The output layer in f32 on the second layer's accumulators of 16-row tile `mt` (the m16n8
-// accumulator layout of each warp): the lanes whose element is in that tile (row lane % 16 of
-// tile lane / 16) receive its direction and magnitude; the others keep theirs.
-__device__ __forceinline__ void output_layer_tile(const OutputWeights& w, const float (&acc)[4][4], int mt,
-                                                  float& direction, float& magnitude) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    // This lane's 8 columns of rows g and g + 8 (direction, magnitude of row g; of row g + 8),
-    // then the quad's sum.
-    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-        const float2 wd = *reinterpret_cast<const float2*>(&w.w_out[0][nt * 8 + 2 * t]);
-        const float2 wm = *reinterpret_cast<const float2*>(&w.w_out[1][nt * 8 + 2 * t]);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const float top = relu_keep_nan(acc[nt][j]), bottom = relu_keep_nan(acc[nt][2 + j]);
-            const float d = j ? wd.y : wd.x, m = j ? wm.y : wm.x;
-            o[0] = fmaf(d, top, o[0]);
-            o[1] = fmaf(m, top, o[1]);
-            o[2] = fmaf(d, bottom, o[2]);
-            o[3] = fmaf(m, bottom, o[3]);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        o[i] += __shfl_xor_sync(FULL_MASK, o[i], 1);
-        o[i] += __shfl_xor_sync(FULL_MASK, o[i], 2);
-        o[i] += w.b_out[i & 1];
-    }
-    // Row r of the tile sits in the quad of lane 4 (r % 8), entries 2 (r / 8) and 2 (r / 8) + 1.
-    const int src_lane = (lane & 7) * 4, upper = (lane >> 3) & 1;
-    const float d0 = __shfl_sync(FULL_MASK, o[0], src_lane);
-    const float m0 = __shfl_sync(FULL_MASK, o[1], src_lane);
-    const float d1 = __shfl_sync(FULL_MASK, o[2], src_lane);
-    const float m1 = __shfl_sync(FULL_MASK, o[3], src_lane);
-    if (mt == lane >> 4) {
-        direction = upper ? d1 : d0;
-        magnitude = upper ? m1 : m0;
-    }
-}
-
-// The output layer of both 16-row tiles: each lane receives its own element's direction and
-// magnitude.
+// The output layer in f32 on the second layer's accumulators (two 16-row tiles, the m16n8
+// accumulator layout of each warp), each lane receiving the direction and magnitude of its own
+// element (row lane % 16 of tile lane / 16).
 __device__ __forceinline__ void output_layer(const OutputWeights& w, const float (&acc)[2][4][4], float& direction,
                                              float& magnitude) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float out[2][4];  // [tile][direction, magnitude of row g; of row g + 8]
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) output_layer_tile(w, acc[mt], mt, direction, magnitude);
+    for (int mt = 0; mt < 2; ++mt) {
+        // This lane's 8 columns of rows g and g + 8, then the quad's sum.
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const float2 wd = *reinterpret_cast<const float2*>(&w.w_out[0][nt * 8 + 2 * t]);
+            const float2 wm = *reinterpret_cast<const float2*>(&w.w_out[1][nt * 8 + 2 * t]);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const float top = relu_keep_nan(acc[mt][nt][j]), bottom = relu_keep_nan(acc[mt][nt][2 + j]);
+                const float d = j ? wd.y : wd.x, m = j ? wm.y : wm.x;
+                o[0] = fmaf(d, top, o[0]);
+                o[1] = fmaf(m, top, o[1]);
+                o[2] = fmaf(d, bottom, o[2]);
+                o[3] = fmaf(m, bottom, o[3]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            o[i] += __shfl_xor_sync(FULL_MASK, o[i], 1);
+            o[i] += __shfl_xor_sync(FULL_MASK, o[i], 2);
+            out[mt][i] = o[i] + w.b_out[i & 1];
+        }
+    }
+    // Row r of tile mt sits in the quad of lane 4 (r % 8), entries 2 (r / 8) and 2 (r / 8) + 1.
+    const int src_lane = (lane & 7) * 4, upper = (lane >> 3) & 1, tile_of_lane = lane >> 4;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        const float d0 = __shfl_sync(FULL_MASK, out[mt][0], src_lane);
+        const float m0 = __shfl_sync(FULL_MASK, out[mt][1], src_lane);
+        const float d1 = __shfl_sync(FULL_MASK, out[mt][2], src_lane);
+        const float m1 = __shfl_sync(FULL_MASK, out[mt][3], src_lane);
+        if (mt == tile_of_lane) {
+            direction = upper ? d1 : d0;
+            magnitude = upper ? m1 : m0;
+        }
+    }
 }
 
 // The update pass over one chunk, written against an MLP evaluator `mlp(x, direction, magnitude)`

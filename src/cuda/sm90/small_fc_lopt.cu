@@ -127,43 +127,6 @@ struct WgmmaMlp {
     }
 };
 
-// The same MLP a 16-row tile at a time: the warpgroup runs tile 0's two layers and output layer,
-// then tile 1's, so only one tile's A fragments and accumulators are live (for three blocks an
-// SM). The products, their order and every rounding are WgmmaMlp's.
-struct WgmmaMlpByTile {
-    static constexpr uint32_t WARPS_TOGETHER = 4;
-    const WgmmaWeights& w;        // in shared memory
-    __half (*tile)[TILE_STRIDE];  // this warp's feature rows
-
-    __device__ __forceinline__ uint64_t desc(int layer, int part) const {
-        return smem_desc(fastops::shared_address(w.b[layer][part]), 128, B_GROUP);
-    }
-
-    __device__ __forceinline__ void operator()(float (&x)[FEATURES], float& direction, float& magnitude) const {
-        features_to_tile<true>(tile, x);
-#pragma unroll 1
-        for (int mt = 0; mt < 2; ++mt) {
-            SplitA a;
-            tile_to_a<true>(tile, mt, a);
-            float acc[4][4] = {};  // the first layer's bias rides in the constant slot
-#pragma unroll
-            for (int layer = 0; layer < 2; ++layer) {
-                if (layer == 1) {
-                    relu_to_a(acc, a);
-                    bias_to_acc(w.out, acc);
-                }
-                fence_acc(acc);
-                wgmma_fence();
-                layer_products(acc, a, desc(layer, 0), desc(layer, 1));
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_acc(acc);
-            }
-            output_layer_tile(w.out, acc, mt, direction, magnitude);
-        }
-    }
-};
-
 }  // namespace
 
 // The update pass with both layers split (lopt_update_mma_11's contract), on wgmma.
@@ -178,22 +141,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
     const WgmmaMlp eval{weights, tiles[threadIdx.x >> 5]};
     update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);
 }
-
-#ifdef FASTOPS_TUNING
-// Speed study (`--features tuning`, FASTOPS_LOPT_WGMMA=2 / 3): the MLP a tile at a time, three /
-// two blocks an SM.
-#define LOPT_UPDATE_WGMMA_BY_TILE(NAME, BLOCKS)                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                                \
-        NAME(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first, \
-             StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {                               \
-        __shared__ float norm[FEATURES];                                                                         \
-        __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                           \
-        __shared__ WgmmaWeights weights;                                                                         \
-        __shared__ ChunkStreams streams;                                                                         \
-        weights.fill(mlp);                                                                                       \
-        const WgmmaMlpByTile eval{weights, tiles[threadIdx.x >> 5]};                                             \
-        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);                                \
-    }
-LOPT_UPDATE_WGMMA_BY_TILE(lopt_update_wgmma_by_tile, 3)
-LOPT_UPDATE_WGMMA_BY_TILE(lopt_update_wgmma_by_tile_2, 2)
-#endif

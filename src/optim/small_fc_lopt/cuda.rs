@@ -250,16 +250,10 @@ fn update_kernel(dev: &candle_core::CudaDevice, backend: Backend) -> Result<Kern
     let hopper_chosen = *HOPPER_CHOSEN
         .get_or_init(|| std::env::var("CANDLE_FASTOPS_LOPT_KERNELS").as_deref() != Ok("portable"));
     let split = crate::cuda::tuning("FASTOPS_LOPT_SPLIT").unwrap_or(3) & 3;
-    // Tuning builds: FASTOPS_LOPT_WGMMA=0 takes the portable kernel, 2 / 3 the study kernels that
-    // run the MLP a tile at a time at three / two blocks an SM (A/B jobs in one binary).
+    // Tuning builds: FASTOPS_LOPT_WGMMA=0 takes the portable kernel (A/B jobs in one binary).
     let wgmma = crate::cuda::tuning("FASTOPS_LOPT_WGMMA").unwrap_or(1);
     if split == 3 && hopper_chosen && wgmma != 0 && crate::cuda::is_hopper(dev)? {
-        let name = match wgmma {
-            2 => "lopt_update_wgmma_by_tile",
-            3 => "lopt_update_wgmma_by_tile_2",
-            _ => "lopt_update_wgmma",
-        };
-        return Kernel::load(dev, Module::SmallFcLOptSm90, &[name]);
+        return Kernel::load(dev, Module::SmallFcLOptSm90, &["lopt_update_wgmma"]);
     }
     Kernel::load(
         dev,
