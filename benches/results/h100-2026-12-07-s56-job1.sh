@@ -2,7 +2,9 @@
 # Session 56 job 1: small_fc_lopt's update MLP a 16-row tile at a time (study kernels of a tuning
 # build: FASTOPS_LOPT_WGMMA=1 the default wgmma kernel, 2 by tile at three blocks an SM, 3 by tile
 # at two, 4 at four), their tests, an A/B of the step (two rounds alternately) and ncu of one update launch
-# each. Build: GPU_BUNDLE_FEATURES=cuda,tuning scripts/gpu-bundle.sh test-ops bench-ops
+# each. Build, with the study kernels applied (`git apply
+# benches/results/h100-2026-12-07-s56-job1-by-tile.diff`):
+# GPU_BUNDLE_FEATURES=cuda,tuning scripts/gpu-bundle.sh test-ops bench-ops
 # Run: OUT=DIR bash benches/results/h100-2026-12-07-s56-job1.sh
 set -u
 out=${OUT:?}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 56 job 2: where the wgmma update kernel's issue slots go: ncu's pipe utilisation, warp
 # states and scheduler statistics of one update launch (the first of "152M/97 step (fused)"), the
-# kept kernel (FASTOPS_LOPT_WGMMA=1) and job 1's four-block study kernel (4). Job 1's bundle.
+# kept kernel (FASTOPS_LOPT_WGMMA=1) and job 1's four-block study kernel (4). Job 1's bundle (built
+# with job 1's diff applied).
 # Run: OUT=DIR bash benches/results/h100-2026-12-07-s56-job2.sh
 set -u
 out=${OUT:?}
