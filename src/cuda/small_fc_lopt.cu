@@ -6,10 +6,12 @@
 //                     2-D matrices of 512+ columns by row / column tiles.
 //   lopt_factors:     a block per matrix: the row / column accumulators (in place), the factors,
 //                     and the sums of squares of the features that depend on a row or a column only.
-//   lopt_stats:       the momenta, rms (and vector Adafactor) accumulators, in place; the sums of
-//                     the squares of the other normalised-feature inputs per tensor.
-//   lopt_update_mma / lopt_update_fma: the features rebuilt and normalised, the 39-32-32-2 MLP (f16
-//                     tensor cores with f32 accumulation, or f32 FMAs), the parameter written in place.
+//   lopt_stats:       the sums of the squares of the other normalised-feature inputs per tensor,
+//                     taken with this step's momenta and rms, which it computes but does not store
+//                     (it is bound by memory), and vectors' Adafactor accumulators, in place.
+//   lopt_update_mma / lopt_update_fma: the momenta and rms advanced again and stored in place, the
+//                     features rebuilt and normalised, the 39-32-32-2 MLP (f16 tensor cores with f32
+//                     accumulation, or f32 FMAs), the parameter written in place.
 // Every buffer is f32. The 11 time features are folded into the first layer's bias by the host.
 #include "small_fc_lopt.cuh"
 
@@ -342,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             for (int k = 0; k < 3; ++k) {
                 float v = 0.0f;
                 if (active) {
-                    v = d.adafactor[k] * row[k * m.rows + r] + (1.0f - d.adafactor[k]) * mean;
+                    v = d.adafactor[k] * row[k * m.rows + r] + d.adafactor_rest[k] * mean;
                     row[k * m.rows + r] = v;
                     const float inv = 1.0f / sqrtf(v + 1e-8f);  // as the per-element feature
                     feature_sq[13 + k] += v * v;
@@ -355,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             const float mean = buf.col_sum[m.col_sum + c] * m.inv_size1 + 1e-30f;
 #pragma unroll
             for (int k = 0; k < 3; ++k) {
-                const float v = d.adafactor[k] * col[k * m.cols + c] + (1.0f - d.adafactor[k]) * mean;
+                const float v = d.adafactor[k] * col[k * m.cols + c] + d.adafactor_rest[k] * mean;
                 col[k * m.cols + c] = v;
                 buf.col_factor[m.col + k * m.cols + c] = srsqrt(v);
                 const float inv = 1.0f / sqrtf(v + 1e-8f);
@@ -420,40 +422,37 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 namespace {
 
-// lopt_stats over one chunk: the accumulators updated in place, the squared features into acc.
+// lopt_stats over one chunk: the squared features of this step's accumulators into acc (the
+// momenta and rms themselves are stored by the update pass; a vector's Adafactor accumulators here). One loop per kind of tensor: with the
+// kind a run-time branch inside one loop, ptxas spilled a matrix's six factors around it.
 template <bool WIDE>
 __device__ __forceinline__ void stats_span(const ChunkStreams& c, const Decays& d, float (&acc)[FEATURES]) {
     const uint32_t count = c.count;
-    const bool factored = c.factored;
-    for (uint32_t o = threadIdx.x; o < count; o += THREADS) {
-        Inputs s = load_inputs<false, WIDE>(c, o);
-        const float g2 = s.g * s.g;
+    auto loop = [&](auto kind) {
+        constexpr bool factored = decltype(kind)::value;
+        for (uint32_t o = threadIdx.x; o < count; o += THREADS) {
+            Inputs s = load_inputs<false, WIDE>(c, factored, o);
+            advance_moments(d, s);
+            if (!factored) advance_vector_accumulators(c, o, d, s);
+            float x[FEATURES];
+            features<false>(factored, s, x);
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-            s.m[k] = d.momentum[k] * s.m[k] + (1.0f - d.momentum[k]) * s.g;
-            c.state[k][o] = s.m[k];
+            for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
         }
-        s.v = d.rms * s.v + (1.0f - d.rms) * g2;
-        c.state[3][o] = s.v;
-        if (!factored) {
-#pragma unroll
-            for (int k = 0; k < 3; ++k) {
-                s.full[k] = d.adafactor[k] * s.full[k] + (1.0f - d.adafactor[k]) * (g2 + 1e-30f);
-                c.full[k][o] = s.full[k];
-            }
-        }
-        float x[FEATURES];
-        features<false>(factored, s, x);
-#pragma unroll
-        for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
+    };
+    if (c.factored) {
+        loop(std::true_type{});
+    } else {
+        loop(std::false_type{});
     }
 }
 
 }  // namespace
 
-// Updates every element's accumulators in place (they hold the previous step's on entry) and adds
-// the squares of its features into feat_sum[tensor * 28 + f] (zeroed by the host). Three resident
-// blocks per multiprocessor at 80 registers, no spills.
+// Adds the squares of every element's features, taken with this step's accumulators, into
+// feat_sum[tensor * 28 + f] (zeroed by the host). The momenta and rms are computed from the previous
+// step's, which stay in place for the update pass; vectors' Adafactor accumulators are updated in
+// place. Three resident blocks per multiprocessor.
 extern "C" __global__ void __launch_bounds__(THREADS, 3)
     lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
                StepTensors ptrs, Buffers buf, Decays d, float* chunk_sums) {
@@ -615,14 +614,14 @@ struct MmaMlp {
 #define LOPT_UPDATE_MMA(SPLIT_IN, SPLIT_HIDDEN)                                                \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) lopt_update_mma_##SPLIT_IN##SPLIT_HIDDEN(   \
         const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first, \
-        StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {                                \
+        StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d, Hyper h) {                      \
         __shared__ float norm[FEATURES];                                                                        \
         __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                          \
         __shared__ MmaWeights weights;                                                                          \
         __shared__ ChunkStreams streams;                                                                        \
         weights.fill(mlp);                                                                                      \
         const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{weights, tiles[threadIdx.x >> 5]};                            \
-        update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);                               \
+        update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval, norm, streams);                            \
     }
 LOPT_UPDATE_MMA(1, 1)
 #ifdef FASTOPS_TUNING
@@ -634,11 +633,12 @@ LOPT_UPDATE_MMA(1, 0)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_fma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
-                    uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
+                    uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d,
+                    Hyper h) {
     __shared__ float norm[FEATURES];
     __shared__ float w[MLP_FLOATS];
     __shared__ ChunkStreams streams;
     for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
     __syncthreads();
-    update(meta, chunks, n_chunks, first, ptrs, buf, h, FmaMlp{w}, norm, streams);
+    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, FmaMlp{w}, norm, streams);
 }

@@ -81,10 +81,14 @@ struct Buffers {
 static_assert(sizeof(Buffers) == 80, "Buffers is mirrored by a Rust #[repr(C)] struct of 80 bytes");
 
 // Decays of the three momenta, the rms and the three Adafactor accumulators.
+// Each decay's complement (1 - decay, rounded to f32 on the host as the device would round it)
+// travels beside it, so that the element loops read both straight from the parameter bank instead
+// of holding seven computed complements in registers for the whole kernel.
 struct Decays {
     float momentum[3], rms, adafactor[3], pad;
+    float momentum_rest[3], rms_rest, adafactor_rest[3], pad_rest;
 };
-static_assert(sizeof(Decays) == 32, "Decays is mirrored by a Rust #[repr(C)] struct of 32 bytes");
+static_assert(sizeof(Decays) == 64, "Decays is mirrored by a Rust #[repr(C)] struct of 64 bytes");
 
 struct Hyper {
     float step_mult, exp_mult, lr, weight_decay;
@@ -181,14 +185,14 @@ __device__ __forceinline__ uint32_t drop_axis32(uint32_t e, const Divisor& inner
 // ROW_FEATURES = false leaves out what only the row / column features (13..24) of a matrix read:
 // the statistics pass has their sums from lopt_factors. `o` is the element's offset in the chunk.
 template <bool ROW_FEATURES, bool WIDE>
-__device__ __forceinline__ Inputs load_inputs(const ChunkStreams& c, uint32_t o) {
+__device__ __forceinline__ Inputs load_inputs(const ChunkStreams& c, bool factored, uint32_t o) {
     Inputs s;
     s.g = c.grad[o];
     s.p = c.param[o];
 #pragma unroll
     for (int k = 0; k < 3; ++k) s.m[k] = c.state[k][o];
     s.v = c.state[3][o];
-    if (c.factored) {
+    if (factored) {
         uint64_t r, col;
         if (WIDE) {
             const uint64_t e = c.first + o;
@@ -213,6 +217,37 @@ __device__ __forceinline__ Inputs load_inputs(const ChunkStreams& c, uint32_t o)
         for (int k = 0; k < 3; ++k) s.full[k] = c.full[k][o];
     }
     return s;
+}
+
+// This step's momenta and rms from the previous step's, in `s` (which holds the previous step's
+// on entry). lopt_stats takes its feature statistics of these values without storing them; the
+// update pass computes them again (the same code, so the same bits) and stores them with the
+// parameter. So the memory-bound statistics pass stores only the small vectors' Adafactor
+// accumulators (advance_vector_accumulators), and the rest of the stores ride on the
+// compute-bound update pass.
+__device__ __forceinline__ void advance_moments(const Decays& d, Inputs& s) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) s.m[k] = d.momentum[k] * s.m[k] + d.momentum_rest[k] * s.g;
+    s.v = d.rms * s.v + d.rms_rest * (s.g * s.g);
+}
+
+// lopt_stats on a vector's element: its three Adafactor accumulators advanced in `s` and stored
+// (the update pass reads them back).
+__device__ __forceinline__ void advance_vector_accumulators(const ChunkStreams& c, uint32_t o, const Decays& d,
+                                                            Inputs& s) {
+    const float g2 = s.g * s.g + 1e-30f;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        s.full[k] = d.adafactor[k] * s.full[k] + d.adafactor_rest[k] * g2;
+        c.full[k][o] = s.full[k];
+    }
+}
+
+// The update pass: the momenta and rms advance_moments computed, stored for the element at `o`.
+__device__ __forceinline__ void store_moments(const ChunkStreams& c, uint32_t o, const Inputs& s) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) c.state[k][o] = s.m[k];
+    c.state[3][o] = s.v;
 }
 
 // The 28 normalised-feature inputs (spec order) from an element whose accumulators hold this
@@ -450,14 +485,16 @@ __device__ __forceinline__ void output_layer(const OutputWeights& w, const float
     }
 }
 
-// The update pass over one chunk, written against an MLP evaluator `mlp(x, direction, magnitude)`
+// The update pass over one chunk (each element's accumulators advanced and stored, its parameter
+// updated), written against an MLP evaluator `mlp(x, direction, magnitude)`
 // whose `Mlp::WARPS_TOGETHER` consecutive warps evaluate together (1 for the per-warp mma.sync and
 // FMA MLPs, 4 for a warpgroup's wgmma): they take consecutive runs of 32 elements, and every warp
 // of a group runs every iteration the group runs. Every lane runs every iteration of its warp (the
 // tensor-core paths need them all in each mma): a lane past the chunk's end evaluates a copy of
 // the chunk's last element (the MLP's rows are independent) and stores nothing.
 template <bool WIDE, class Mlp>
-__device__ __forceinline__ void update_span(const ChunkStreams& c, const Hyper& h, const Mlp& mlp, const float* norm) {
+__device__ __forceinline__ void update_span(const ChunkStreams& c, const Decays& d, const Hyper& h, const Mlp& mlp,
+                                            const float* norm) {
     constexpr uint32_t TOGETHER = Mlp::WARPS_TOGETHER;
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t count = c.count;
@@ -465,7 +502,9 @@ __device__ __forceinline__ void update_span(const ChunkStreams& c, const Hyper& 
     for (uint32_t base = (warp / TOGETHER) * TOGETHER * 32; base < count; base += blockDim.x) {
         const uint32_t o = base + in_group;
         const bool active = o < count;
-        const Inputs s = load_inputs<true, WIDE>(c, active ? o : count - 1);
+        Inputs s = load_inputs<true, WIDE>(c, c.factored, active ? o : count - 1);
+        advance_moments(d, s);
+        if (active) store_moments(c, o, s);
         float x[FEATURES];
         features<true>(c.factored, s, x);
 #pragma unroll
@@ -479,7 +518,8 @@ __device__ __forceinline__ void update_span(const ChunkStreams& c, const Hyper& 
 template <class Mlp>
 __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
                                        uint32_t n_chunks, uint32_t first, const StepTensors& ptrs, const Buffers& buf,
-                                       const Hyper& h, const Mlp& mlp, float* norm, ChunkStreams& streams) {
+                                       const Decays& d, const Hyper& h, const Mlp& mlp, float* norm,
+                                       ChunkStreams& streams) {
     int64_t current = -1;
     for (uint32_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const Chunk ch = chunks[c];
@@ -494,7 +534,7 @@ __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const 
                 if (new_tensor && threadIdx.x < FEATURES)
                     norm[threadIdx.x] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n);
             },
-            [&](auto wide) { update_span<decltype(wide)::value>(streams, h, mlp, norm); });
+            [&](auto wide) { update_span<decltype(wide)::value>(streams, d, h, mlp, norm); });
     }
 }
 

@@ -132,12 +132,13 @@ struct WgmmaMlp {
 // The update pass with both layers split (lopt_update_mma_11's contract), on wgmma.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_wgmma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
-                      uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Hyper h) {
+                      uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d,
+                      Hyper h) {
     __shared__ float norm[FEATURES];
     __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];
     __shared__ WgmmaWeights weights;
     __shared__ ChunkStreams streams;
     weights.fill(mlp);
     const WgmmaMlp eval{weights, tiles[threadIdx.x >> 5]};
-    update(meta, chunks, n_chunks, first, ptrs, buf, h, eval, norm, streams);
+    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval, norm, streams);
 }

@@ -70,8 +70,9 @@ impl FusedTensor {
     }
 }
 
-/// Decays of the three momenta, the rms and the three Adafactor accumulators (the layout of
-/// `Decays` in the kernel).
+/// Decays of the three momenta, the rms and the three Adafactor accumulators, then their
+/// complements `1 - decay` rounded to f32 (the layout of `Decays` in the kernels, which read both
+/// from the parameter bank). Build it with [`Decays::new`].
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Decays {
@@ -79,9 +80,29 @@ pub(super) struct Decays {
     pub rms: f32,
     pub adafactor: [f32; 3],
     pub pad: f32,
+    pub momentum_rest: [f32; 3],
+    pub rms_rest: f32,
+    pub adafactor_rest: [f32; 3],
+    pub pad_rest: f32,
 }
-// Mirrored by `Decays` in src/cuda/small_fc_lopt.cu.
-mirrored_struct!(Decays, 32, kernel_arg);
+// Mirrored by `Decays` in src/cuda/small_fc_lopt.cuh.
+mirrored_struct!(Decays, 64, kernel_arg);
+
+impl Decays {
+    /// The decays as given and their complements, each `1 - decay` rounded once to f32.
+    pub fn new(momentum: [f32; 3], rms: f32, adafactor: [f32; 3]) -> Self {
+        Self {
+            momentum,
+            rms,
+            adafactor,
+            pad: 0.0,
+            momentum_rest: momentum.map(|d| 1.0 - d),
+            rms_rest: 1.0 - rms,
+            adafactor_rest: adafactor.map(|d| 1.0 - d),
+            pad_rest: 0.0,
+        }
+    }
+}
 
 /// Pass 1 over `t` (holding the previous accumulators): the updated accumulators as `[planes,
 /// n]` (momentum 0..3, rms, then for vectors the 3 Adafactor accumulators) and the sums over the

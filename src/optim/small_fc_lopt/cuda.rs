@@ -5,8 +5,10 @@
 //! tensor (sizes, offsets, index divisors) and splits it into fixed-size chunks. A step is then
 //! four or five launches per group of up to [`GROUP`] tensors (the gradient and parameter
 //! addresses of a group travel as a kernel argument), whatever the tensor count: square sums (by
-//! chunks, and by row / column tiles for wide 2-D matrices), Adafactor factors, accumulators +
-//! feature statistics, MLP + parameter update. Parameters are written in place.
+//! chunks, and by row / column tiles for wide 2-D matrices), Adafactor factors, feature statistics
+//! (taken with this step's accumulators, of which this memory-bound pass stores only vectors'
+//! Adafactor accumulators), MLP + parameter update (which computes the momenta and rms again and
+//! stores them with the parameter). Everything is written in place.
 //!
 //! Deterministic steps replace the float atomics of the reductions: the square sums are taken by
 //! `lopt_square_sums_ordered` (each row or column sum in a fixed order), the factors'
@@ -648,7 +650,8 @@ impl DeviceState {
                 update.launch(
                     grid(caps[3], n_chunks),
                     kernel_args!(
-                        &meta, &chunks, &n_chunks, &first, &tensors, &buffers, &mlp_ptr, &hyper
+                        &meta, &chunks, &n_chunks, &first, &tensors, &buffers, &mlp_ptr, &decays,
+                        &hyper
                     ),
                 )?;
             }

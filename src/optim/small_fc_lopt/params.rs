@@ -131,11 +131,10 @@ pub(super) struct Decays {
 impl Decays {
     /// As the fused passes take them.
     pub(super) fn fused(&self) -> cpu::Decays {
-        cpu::Decays {
-            momentum: self.momentum.map(|d| d as f32),
-            rms: self.rms as f32,
-            adafactor: self.adafactor.map(|d| d as f32),
-            pad: 0.0,
-        }
+        cpu::Decays::new(
+            self.momentum.map(|d| d as f32),
+            self.rms as f32,
+            self.adafactor.map(|d| d as f32),
+        )
     }
 }
