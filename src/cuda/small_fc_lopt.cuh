@@ -485,8 +485,9 @@ __device__ __forceinline__ void output_layer(const OutputWeights& w, const float
     }
 }
 
-// The update pass over one chunk (each element's accumulators advanced and stored, its parameter
-// updated), written against an MLP evaluator `mlp(x, direction, magnitude)`
+// The update pass over one chunk (each element's momenta and rms advanced and stored, its
+// parameter updated; a vector's Adafactor accumulators are stored by the statistics pass), written
+// against an MLP evaluator `mlp(x, direction, magnitude)`
 // whose `Mlp::WARPS_TOGETHER` consecutive warps evaluate together (1 for the per-warp mma.sync and
 // FMA MLPs, 4 for a warpgroup's wgmma): they take consecutive runs of 32 elements, and every warp
 // of a group runs every iteration the group runs. Every lane runs every iteration of its warp (the
