@@ -423,21 +423,42 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 namespace {
 
 // lopt_stats over one chunk: the squared features of this step's accumulators into acc (the
-// momenta and rms themselves are stored by the update pass; a vector's Adafactor accumulators here). One loop per kind of tensor: with the
-// kind a run-time branch inside one loop, ptxas spilled a matrix's six factors around it.
+// momenta and rms themselves are stored by the update pass; a vector's Adafactor accumulators
+// here). The pass is bound by the loads in flight: each thread loads STATS_ELEMS elements (THREADS
+// apart) before it uses any of them, the chunk's tail one at a time. One loop per kind of tensor:
+// with the kind a run-time branch inside one loop, ptxas spilled a matrix's six factors around it.
+// Two elements a thread and two resident blocks (114 registers) keep ~85% of DRAM's peak busy on
+// an H100; four elements (128 registers) measured the same.
+constexpr uint32_t STATS_ELEMS = 2;
+constexpr uint32_t STATS_BLOCKS = 2;
 template <bool WIDE>
 __device__ __forceinline__ void stats_span(const ChunkStreams& c, const Decays& d, float (&acc)[FEATURES]) {
     const uint32_t count = c.count;
     auto loop = [&](auto kind) {
         constexpr bool factored = decltype(kind)::value;
-        for (uint32_t o = threadIdx.x; o < count; o += THREADS) {
-            Inputs s = load_inputs<false, WIDE>(c, factored, o);
+        auto add = [&](Inputs& s, uint32_t o) {
             advance_moments(d, s);
             if (!factored) advance_vector_accumulators(c, o, d, s);
             float x[FEATURES];
             features<false>(factored, s, x);
 #pragma unroll
-            for (int f = 0; f < FEATURES; ++f) acc[f] = fmaf(x[f], x[f], acc[f]);
+            for (int f = 0; f < FEATURES; ++f) {
+                // A matrix's row / column features (13..24) are summed by lopt_factors.
+                if (!(factored && f >= 13 && f < 25)) acc[f] = fmaf(x[f], x[f], acc[f]);
+            }
+        };
+        constexpr uint32_t E = STATS_ELEMS;
+        uint32_t o = threadIdx.x;
+        for (; o + (E - 1) * THREADS < count; o += E * THREADS) {
+            Inputs s[E];
+#pragma unroll
+            for (uint32_t e = 0; e < E; ++e) s[e] = load_inputs<false, WIDE>(c, factored, o + e * THREADS);
+#pragma unroll
+            for (uint32_t e = 0; e < E; ++e) add(s[e], o + e * THREADS);
+        }
+        for (; o < count; o += THREADS) {
+            Inputs s = load_inputs<false, WIDE>(c, factored, o);
+            add(s, o);
         }
     };
     if (c.factored) {
@@ -452,8 +473,8 @@ __device__ __forceinline__ void stats_span(const ChunkStreams& c, const Decays& 
 // Adds the squares of every element's features, taken with this step's accumulators, into
 // feat_sum[tensor * 28 + f] (zeroed by the host). The momenta and rms are computed from the previous
 // step's, which stay in place for the update pass; vectors' Adafactor accumulators are updated in
-// place. Three resident blocks per multiprocessor.
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
+// place. STATS_BLOCKS resident blocks per multiprocessor (their registers hold STATS_ELEMS elements).
+extern "C" __global__ void __launch_bounds__(THREADS, STATS_BLOCKS)
     lopt_stats(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first,
                StepTensors ptrs, Buffers buf, Decays d, float* chunk_sums) {
     __shared__ float partial[WARPS][FEATURES];
@@ -470,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
             if (current >= 0) flush_sums(acc, partial, buf.feat_sum + current * FEATURES);
             current = ch.tensor;
         }
-        enter_chunk(streams, meta[ch.tensor], ch, grad, ptrs.param[ch.tensor - first], buf, [] {},
+        enter_chunk<Unit<WARPS>>(streams, meta[ch.tensor], ch, grad, ptrs.param[ch.tensor - first], buf, [] {},
                     [&](auto wide) { stats_span<decltype(wide)::value>(streams, d, acc); });
         if (chunk_sums != nullptr) flush_sums(acc, partial, chunk_sums + static_cast<uint64_t>(c) * FEATURES, true);
     }
@@ -592,6 +613,7 @@ __device__ __forceinline__ void mlp_mma(const MmaWeights& w, __half (*tile)[TILE
 // a time.
 struct FmaMlp {
     static constexpr uint32_t WARPS_TOGETHER = 1;
+    static constexpr uint32_t UNIT_WARPS = WARPS;  // chunks walked by the whole block
     const float* w;  // the packed weights, in shared memory
     __device__ __forceinline__ void operator()(float (&x)[FEATURES], float& direction, float& magnitude) const {
         mlp_fma(w, x, direction, magnitude);
@@ -601,6 +623,7 @@ struct FmaMlp {
 template <bool SPLIT_IN, bool SPLIT_HIDDEN>
 struct MmaMlp {
     static constexpr uint32_t WARPS_TOGETHER = 1;
+    static constexpr uint32_t UNIT_WARPS = WARPS;  // chunks walked by the whole block
     const MmaWeights& w;  // in shared memory
     __half (*tile)[TILE_STRIDE];  // this warp's feature rows
     __device__ __forceinline__ void operator()(float (&x)[FEATURES], float& direction, float& magnitude) const {
@@ -615,13 +638,11 @@ struct MmaMlp {
     extern "C" __global__ void __launch_bounds__(THREADS, 2) lopt_update_mma_##SPLIT_IN##SPLIT_HIDDEN(   \
         const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks, uint32_t first, \
         StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d, Hyper h) {                      \
-        __shared__ float norm[FEATURES];                                                                        \
         __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];                                          \
         __shared__ MmaWeights weights;                                                                          \
-        __shared__ ChunkStreams streams;                                                                        \
         weights.fill(mlp);                                                                                      \
         const MmaMlp<SPLIT_IN, SPLIT_HIDDEN> eval{weights, tiles[threadIdx.x >> 5]};                            \
-        update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval, norm, streams);                            \
+        update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval);                                           \
     }
 LOPT_UPDATE_MMA(1, 1)
 #ifdef FASTOPS_TUNING
@@ -635,10 +656,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_fma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
                     uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d,
                     Hyper h) {
-    __shared__ float norm[FEATURES];
     __shared__ float w[MLP_FLOATS];
-    __shared__ ChunkStreams streams;
     for (int i = threadIdx.x; i < MLP_FLOATS; i += THREADS) w[i] = mlp[i];
     __syncthreads();
-    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, FmaMlp{w}, norm, streams);
+    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, FmaMlp{w});
 }

@@ -99,8 +99,9 @@ __device__ __forceinline__ float srsqrt(float x) { return 1.0f / sqrtf(fmaxf(x, 
 
 
 // One element's inputs, as loaded: gradient, parameter, the stored accumulators and, for
-// matrices, its row / column accumulators and factors. (Loading them an iteration ahead was
-// measured slower on the H200: its registers cost resident warps.)
+// matrices, its row / column accumulators and factors. (The statistics pass loads two elements
+// before it uses either; in the update pass, loading an iteration ahead was measured slower on the
+// H200: its registers cost resident warps.)
 struct Inputs {
     float g, p, m[3], v, full[3];
     float row[3], col[3], row_factor[3], col_factor[3];
@@ -155,18 +156,46 @@ __device__ __forceinline__ void open_chunk(ChunkStreams& c, const LoptMeta& t, c
     c.outer1 = t.outer1;
 }
 
-// A block's walk into chunk `ch`: barrier (the previous chunk's streams, and whatever `between`
-// writes, are no longer read), thread 0 opens the chunk, every thread runs `between` (other
-// per-chunk shared state, e.g. the tensor's feature norms), barrier, then
+// A unit of UNIT_WARPS consecutive warps that walks chunks together: the whole block
+// (UNIT_WARPS == WARPS, synced by __syncthreads), one warp (__syncwarp), or half the block (named
+// barrier 1 + its index in the block, so that the two units of a block never wait for each
+// other).
+template <uint32_t UNIT_WARPS>
+struct Unit {
+    static_assert(WARPS % UNIT_WARPS == 0, "whole units per block");
+    static constexpr uint32_t PER_BLOCK = WARPS / UNIT_WARPS;
+    static constexpr uint32_t THREADS_PER_UNIT = UNIT_WARPS * 32;
+    __device__ __forceinline__ static uint32_t index() { return threadIdx.x / THREADS_PER_UNIT; }
+    __device__ __forceinline__ static uint32_t rank() { return threadIdx.x % THREADS_PER_UNIT; }
+    __device__ __forceinline__ static void sync() {
+        if constexpr (UNIT_WARPS == WARPS) {
+            __syncthreads();
+        } else if constexpr (UNIT_WARPS == 1) {
+            __syncwarp();
+        } else {
+            // Barrier ids as immediates (a register id makes ptxas reserve all 16).
+            static_assert(PER_BLOCK == 2, "named barriers 1 and 2, one per unit");
+            if (index() == 0) {
+                asm volatile("bar.sync 1, %0;" ::"n"(THREADS_PER_UNIT) : "memory");
+            } else {
+                asm volatile("bar.sync 2, %0;" ::"n"(THREADS_PER_UNIT) : "memory");
+            }
+        }
+    }
+};
+
+// A unit's walk into chunk `ch`: sync (the previous chunk's streams, and whatever `between`
+// writes, are no longer read), the unit's first thread opens the chunk, every thread runs
+// `between` (other per-chunk shared state, e.g. the tensor's feature norms), sync, then
 // `span(std::bool_constant<WIDE>{})` with the chunk's width.
-template <class Between, class Span>
+template <class U, class Between, class Span>
 __device__ __forceinline__ void enter_chunk(ChunkStreams& streams, const LoptMeta& t, const Chunk& ch,
                                             const float* grad, float* param, const Buffers& buf,
                                             Between&& between, Span&& span) {
-    __syncthreads();
-    if (threadIdx.x == 0) open_chunk(streams, t, ch, grad, param, buf);
+    U::sync();
+    if (U::rank() == 0) open_chunk(streams, t, ch, grad, param, buf);
     between();
-    __syncthreads();
+    U::sync();
     if (streams.wide) {
         span(std::true_type{});
     } else {
@@ -303,9 +332,9 @@ constexpr int W_IN = 0, B_EFF = W_IN + HIDDEN * FEATURES, W_1 = B_EFF + HIDDEN, 
 
 __device__ __forceinline__ float relu_keep_nan(float s) { return s > 0.0f || s != s ? s : 0.0f; }
 
-// The per-tensor normalisation 1 / sqrt(mean of squares + 1e-5) of feature threadIdx.x < FEATURES.
-__device__ __forceinline__ float feature_norm(const float* sums, uint64_t n) {
-    return 1.0f / sqrtf(sums[threadIdx.x] / static_cast<float>(n) + 1e-5f);
+// The per-tensor normalisation 1 / sqrt(mean of squares + 1e-5) of feature f < FEATURES.
+__device__ __forceinline__ float feature_norm(const float* sums, uint64_t n, uint32_t f) {
+    return 1.0f / sqrtf(sums[f] / static_cast<float>(n) + 1e-5f);
 }
 
 __device__ __forceinline__ float new_param(float p, float direction, float magnitude, const Hyper& h) {
@@ -486,21 +515,23 @@ __device__ __forceinline__ void output_layer(const OutputWeights& w, const float
 }
 
 // The update pass over one chunk (each element's momenta and rms advanced and stored, its
-// parameter updated; a vector's Adafactor accumulators are stored by the statistics pass), written
-// against an MLP evaluator `mlp(x, direction, magnitude)`
+// parameter updated; a vector's Adafactor accumulators are stored by the statistics pass) by one
+// unit of `Mlp::UNIT_WARPS` warps, written against an MLP evaluator `mlp(x, direction, magnitude)`
 // whose `Mlp::WARPS_TOGETHER` consecutive warps evaluate together (1 for the per-warp mma.sync and
-// FMA MLPs, 4 for a warpgroup's wgmma): they take consecutive runs of 32 elements, and every warp
-// of a group runs every iteration the group runs. Every lane runs every iteration of its warp (the
-// tensor-core paths need them all in each mma): a lane past the chunk's end evaluates a copy of
-// the chunk's last element (the MLP's rows are independent) and stores nothing.
+// FMA MLPs, 4 for a warpgroup's wgmma): each turn the unit takes its next run of 32 elements a
+// warp, and every warp of an evaluation group runs every turn that the group runs. Every lane runs
+// every iteration of its warp (the tensor-core paths need them all in each mma): a lane past the
+// chunk's end evaluates a copy of the chunk's last element (the MLP's rows are independent) and
+// stores nothing.
 template <bool WIDE, class Mlp>
 __device__ __forceinline__ void update_span(const ChunkStreams& c, const Decays& d, const Hyper& h, const Mlp& mlp,
                                             const float* norm) {
-    constexpr uint32_t TOGETHER = Mlp::WARPS_TOGETHER;
-    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    using U = Unit<Mlp::UNIT_WARPS>;
+    constexpr uint32_t GROUP_THREADS = Mlp::WARPS_TOGETHER * 32;
+    static_assert(Mlp::UNIT_WARPS % Mlp::WARPS_TOGETHER == 0, "whole evaluation groups per unit");
     const uint32_t count = c.count;
-    const uint32_t in_group = (warp % TOGETHER) * 32 + lane;
-    for (uint32_t base = (warp / TOGETHER) * TOGETHER * 32; base < count; base += blockDim.x) {
+    const uint32_t in_group = U::rank() % GROUP_THREADS;
+    for (uint32_t base = U::rank() - in_group; base < count; base += U::THREADS_PER_UNIT) {
         const uint32_t o = base + in_group;
         const bool active = o < count;
         Inputs s = load_inputs<true, WIDE>(c, c.factored, active ? o : count - 1);
@@ -516,24 +547,35 @@ __device__ __forceinline__ void update_span(const ChunkStreams& c, const Decays&
     }
 }
 
+// The update pass of a launch: each unit of `Mlp::UNIT_WARPS` warps walks its own chunks (unit u
+// of block b takes chunk b * units + u, then every gridDim.x * units-th). With units smaller than
+// the block (the wgmma MLP's warpgroups), a unit that finishes a chunk does not wait for the
+// block's other units, whose warps progress at other rates; a unit of one warp would (a chunk's
+// 8192 elements taking one warp eight times as long as a block) leave the launch a long tail.
 template <class Mlp>
 __device__ __forceinline__ void update(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks,
                                        uint32_t n_chunks, uint32_t first, const StepTensors& ptrs, const Buffers& buf,
-                                       const Decays& d, const Hyper& h, const Mlp& mlp, float* norm,
-                                       ChunkStreams& streams) {
+                                       const Decays& d, const Hyper& h, const Mlp& mlp) {
+    using U = Unit<Mlp::UNIT_WARPS>;
+    __shared__ float norms[U::PER_BLOCK][FEATURES];
+    __shared__ ChunkStreams unit_streams[U::PER_BLOCK];
+    float* norm = norms[U::index()];
+    ChunkStreams& streams = unit_streams[U::index()];
+    const uint32_t units = gridDim.x * U::PER_BLOCK;
     int64_t current = -1;
-    for (uint32_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    for (uint32_t c = blockIdx.x * U::PER_BLOCK + U::index(); c < n_chunks; c += units) {
         const Chunk ch = chunks[c];
         const float* grad = ptrs.grad[ch.tensor - first];
         if (grad == nullptr) continue;
         const LoptMeta& t = meta[ch.tensor];
         const bool new_tensor = ch.tensor != current;
         current = ch.tensor;
-        enter_chunk(
+        enter_chunk<U>(
             streams, t, ch, grad, ptrs.param[ch.tensor - first], buf,
             [&] {
-                if (new_tensor && threadIdx.x < FEATURES)
-                    norm[threadIdx.x] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n);
+                const uint32_t f = U::rank();
+                if (new_tensor && f < FEATURES)
+                    norm[f] = feature_norm(buf.feat_sum + ch.tensor * FEATURES, t.n, f);
             },
             [&](auto wide) { update_span<decltype(wide)::value>(streams, d, h, mlp, norm); });
     }

@@ -92,6 +92,7 @@ __device__ __forceinline__ void layer_products(float (&acc)[4][4], const SplitA&
 // products, measured no faster: BENCHMARKS.md, small_fc_lopt, session 55.)
 struct WgmmaMlp {
     static constexpr uint32_t WARPS_TOGETHER = 4;
+    static constexpr uint32_t UNIT_WARPS = 4;  // each warpgroup walks its own chunks
     const WgmmaWeights& w;        // in shared memory
     __half (*tile)[TILE_STRIDE];  // this warp's feature rows
 
@@ -134,11 +135,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
     lopt_update_wgmma(const LoptMeta* __restrict__ meta, const Chunk* __restrict__ chunks, uint32_t n_chunks,
                       uint32_t first, StepTensors ptrs, Buffers buf, const float* __restrict__ mlp, Decays d,
                       Hyper h) {
-    __shared__ float norm[FEATURES];
     __shared__ __align__(16) __half tiles[WARPS][32][TILE_STRIDE];
     __shared__ WgmmaWeights weights;
-    __shared__ ChunkStreams streams;
     weights.fill(mlp);
     const WgmmaMlp eval{weights, tiles[threadIdx.x >> 5]};
-    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval, norm, streams);
+    update(meta, chunks, n_chunks, first, ptrs, buf, d, h, eval);
 }
