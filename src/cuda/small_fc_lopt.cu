@@ -316,6 +316,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
 }
 
+// Rows a thread of lopt_factors loads before it uses any.
+constexpr int FACTOR_ROWS = 4;
+
 // A block per matrix: row and column accumulators from the means of g^2 (+1e-30, as the
 // reference adds it to every square), the per-batch means of the rows over axis d1, then the
 // factors: row_factor = srsqrt(row / (mean over d1 + 1e-9)), col_factor = srsqrt(col).
@@ -335,22 +338,36 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         for (int f = 0; f < FEATURES; ++f) feature_sq[f] = 0.0f;
         float* row = buf.row + m.row;
         float* col = buf.col + m.col;
-        for (uint64_t base = threadIdx.x & ~31u; base < m.rows; base += THREADS) {
-            const uint64_t r = base + lane;
-            const bool active = r < m.rows;
-            const float mean = active ? buf.row_sum[m.row_sum + r] * m.inv_size0 + 1e-30f : 0.0f;
-            const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
+        // FACTOR_ROWS rows a thread, THREADS apart, loaded before any is used (a matrix of many
+        // rows, e.g. an embedding, is walked by this block alone, so the loop's latency is the
+        // kernel's). Loads past the last row read the last row again and are not used.
+        for (uint64_t base = threadIdx.x & ~31u; base < m.rows; base += THREADS * FACTOR_ROWS) {
+            float mean[FACTOR_ROWS], prev[FACTOR_ROWS][3];
 #pragma unroll
-            for (int k = 0; k < 3; ++k) {
-                float v = 0.0f;
-                if (active) {
-                    v = d.adafactor[k] * row[k * m.rows + r] + d.adafactor_rest[k] * mean;
-                    row[k * m.rows + r] = v;
-                    const float inv = 1.0f / sqrtf(v + 1e-8f);  // as the per-element feature
-                    feature_sq[13 + k] += v * v;
-                    feature_sq[19 + k] += inv * inv;
+            for (int j = 0; j < FACTOR_ROWS; ++j) {
+                const uint64_t r = min(base + j * THREADS + lane, m.rows - 1);
+                mean[j] = buf.row_sum[m.row_sum + r] * m.inv_size0 + 1e-30f;
+#pragma unroll
+                for (int k = 0; k < 3; ++k) prev[j][k] = row[k * m.rows + r];
+            }
+#pragma unroll
+            for (int j = 0; j < FACTOR_ROWS; ++j) {
+                if (base + j * THREADS >= m.rows) break;  // warp-uniform: add_at needs lane 0 active
+                const uint64_t r = base + j * THREADS + lane;
+                const bool active = r < m.rows;
+                const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
+#pragma unroll
+                for (int k = 0; k < 3; ++k) {
+                    float v = 0.0f;
+                    if (active) {
+                        v = d.adafactor[k] * prev[j][k] + d.adafactor_rest[k] * mean[j];
+                        row[k * m.rows + r] = v;
+                        const float inv = 1.0f / sqrtf(v + 1e-8f);  // as the per-element feature
+                        feature_sq[13 + k] += v * v;
+                        feature_sq[19 + k] += inv * inv;
+                    }
+                    if (!deterministic) add_at(buf.batch_sum + m.batch + k * m.batches, b, v, active);
                 }
-                if (!deterministic) add_at(buf.batch_sum + m.batch + k * m.batches, b, v, active);
             }
         }
         for (uint64_t c = threadIdx.x; c < m.cols; c += THREADS) {
@@ -409,12 +426,27 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 __syncthreads();
             }
         }
-        for (uint64_t r = threadIdx.x; r < m.rows; r += THREADS) {
-            const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
+        for (uint64_t base = threadIdx.x; base < m.rows; base += THREADS * FACTOR_ROWS) {
+            float acc[FACTOR_ROWS][3], batch[FACTOR_ROWS][3];
 #pragma unroll
-            for (int k = 0; k < 3; ++k) {
-                const float mean = __ldcg(buf.batch_sum + m.batch + k * m.batches + b) * m.inv_size1;
-                buf.row_factor[m.row + k * m.rows + r] = srsqrt(row[k * m.rows + r] / (mean + 1e-9f));
+            for (int j = 0; j < FACTOR_ROWS; ++j) {
+                const uint64_t r = min(base + j * THREADS, m.rows - 1);
+                const uint64_t b = drop_axis(r, m.row_inner1, m.row_outer1, m.wide);
+#pragma unroll
+                for (int k = 0; k < 3; ++k) {
+                    acc[j][k] = row[k * m.rows + r];
+                    batch[j][k] = __ldcg(buf.batch_sum + m.batch + k * m.batches + b);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < FACTOR_ROWS; ++j) {
+                const uint64_t r = base + j * THREADS;
+                if (r >= m.rows) break;
+#pragma unroll
+                for (int k = 0; k < 3; ++k) {
+                    const float mean = batch[j][k] * m.inv_size1;
+                    buf.row_factor[m.row + k * m.rows + r] = srsqrt(acc[j][k] / (mean + 1e-9f));
+                }
             }
         }
     }

@@ -462,8 +462,14 @@ fn fused_passes_match_the_composed_reference_on_random_models() -> Result<()> {
         ];
         if dev.is_cuda() {
             // Matrices wide enough for the tiled square sums: several row tiles and column
-            // slabs, rows of 16-byte loads (d0 = 1) and of single floats (513 columns, d0 = 0).
-            shapes.extend([vec![300, 1100], vec![700, 513]]);
+            // slabs, rows of 16-byte loads (d0 = 1) and of single floats (513 columns, d0 = 0);
+            // and more than 1024 rows or columns (lopt_factors takes 1024 of either a turn).
+            shapes.extend([
+                vec![300, 1100],
+                vec![700, 513],
+                vec![1283, 37],
+                vec![37, 1283],
+            ]);
         }
         let make = || -> Result<Vec<Var>> {
             shapes
