@@ -338,9 +338,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         for (int f = 0; f < FEATURES; ++f) feature_sq[f] = 0.0f;
         float* row = buf.row + m.row;
         float* col = buf.col + m.col;
-        // FACTOR_ROWS rows a thread, THREADS apart, loaded before any is used (a matrix of many
-        // rows, e.g. an embedding, is walked by this block alone, so the loop's latency is the
-        // kernel's). Loads past the last row read the last row again and are not used.
+        // FACTOR_ROWS rows a thread, THREADS apart, loaded before any is used (this block alone
+        // walks the matrix, so the loop's latency is the kernel's). Loads past the last row read
+        // the last row again and are not used.
         for (uint64_t base = threadIdx.x & ~31u; base < m.rows; base += THREADS * FACTOR_ROWS) {
             float mean[FACTOR_ROWS], prev[FACTOR_ROWS][3];
 #pragma unroll
