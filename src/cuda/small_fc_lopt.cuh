@@ -157,9 +157,8 @@ __device__ __forceinline__ void open_chunk(ChunkStreams& c, const LoptMeta& t, c
 }
 
 // A unit of UNIT_WARPS consecutive warps that walks chunks together: the whole block
-// (UNIT_WARPS == WARPS, synced by __syncthreads), one warp (__syncwarp), or half the block (named
-// barrier 1 + its index in the block, so that the two units of a block never wait for each
-// other).
+// (UNIT_WARPS == WARPS, synced by __syncthreads) or half the block (named barrier 1 + its index
+// in the block, so that the two units of a block never wait for each other).
 template <uint32_t UNIT_WARPS>
 struct Unit {
     static_assert(WARPS % UNIT_WARPS == 0, "whole units per block");
@@ -170,8 +169,6 @@ struct Unit {
     __device__ __forceinline__ static void sync() {
         if constexpr (UNIT_WARPS == WARPS) {
             __syncthreads();
-        } else if constexpr (UNIT_WARPS == 1) {
-            __syncwarp();
         } else {
             // Barrier ids as immediates (a register id makes ptxas reserve all 16).
             static_assert(PER_BLOCK == 2, "named barriers 1 and 2, one per unit");
